@@ -1,0 +1,84 @@
+"""Model and decoding configuration: the one source the model, the exporter and the Triton
+configs are built from. Saved inside every checkpoint."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ModelConfig:
+    num_items: int  # item indices are 1..num_items; 0 is padding
+    num_actions: int = 8  # action ids 0..num_actions-1 (0 = none/unknown, 7 = ranking target)
+    d_model: int = 64
+    num_layers: int = 2
+    num_heads: int = 2
+    max_seq_len: int = 200  # N: longest history kept, and HSTU's fixed attention divisor
+    num_time_buckets: int = 64
+    time_bucket_base: float = 1.6  # buckets of log_base(1 + |dt seconds|)
+    dropout: float = 0.2
+    # semantic IDs: 3 residual k-means levels + 1 collision code (size filled in when built)
+    codebook_sizes: tuple = (256, 256, 256, 1)
+    decoder_heads: int = 2
+    shared_kv_projection: bool = False  # PFA ablation: one K/V projection for all steps
+    ranker_negatives: int = 64
+
+    @property
+    def num_codes(self) -> int:
+        return len(self.codebook_sizes)
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["codebook_sizes"] = list(self.codebook_sizes)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        d = dict(d)
+        d["codebook_sizes"] = tuple(d["codebook_sizes"])
+        return cls(**d)
+
+
+ATTENTION_MODES = ("full", "pfa", "pfa_per_beam", "dynamic_topk")
+
+
+@dataclass
+class DecodeOptions:
+    """How the beam search attends over history (seed 000's ablation axes), switchable per call."""
+
+    mode: str = "pfa"  # one of ATTENTION_MODES
+    beam_width: int = 100
+    k: int = 256  # rows kept at the selection step
+    r: float = 0.5  # budget ratio: k_t = max(1, ceil(k * r ** (t - selection_step)))
+    selection_step: int = 1  # 0..num_codes-1
+    collect_attention: bool = False  # record per-step attention for the statistics of seed 000
+
+    def __post_init__(self):
+        if self.mode not in ATTENTION_MODES:
+            raise ValueError(f"mode must be one of {ATTENTION_MODES}, got {self.mode!r}")
+        if self.beam_width < 1:
+            raise ValueError(f"beam_width must be >= 1, got {self.beam_width}")
+        if self.k < 1:
+            raise ValueError(f"k must be >= 1, got {self.k}")
+        if not 0.0 < self.r <= 1.0:
+            raise ValueError(f"r must be in (0, 1], got {self.r}")
+        if self.selection_step < 0:
+            raise ValueError(f"selection_step must be >= 0, got {self.selection_step}")
+
+    def budget(self, step: int) -> int:
+        """Rows read at `step` after selection: k_t = max(1, ceil(k r^(t - s)))."""
+        import math
+
+        return max(1, math.ceil(self.k * self.r ** (step - self.selection_step)))
+
+
+@dataclass
+class TrainConfig:
+    epochs: int = 20
+    batch_size: int = 128
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    stochastic_length_alpha: float = 2.0  # 2.0 = off; seed 001 uses about 1.6 for long histories
+    ranker_weight: float = 1.0
+    seed: int = 0
+    extra: dict = field(default_factory=dict)

@@ -1,0 +1,136 @@
+"""The assembled generative recommender: one HSTU backbone, a semantic-ID decoder (retrieval)
+and an M-FALCON ranker, plus the item vocabulary and the semantic-ID codebook.
+
+This is what a checkpoint holds and what every Triton model loads.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from backend_src.config import DecodeOptions, ModelConfig
+from backend_src.decoding.beam_search import BeamResult, generate
+from backend_src.model.decoder import SemanticIdDecoder
+from backend_src.model.hstu import HistoryCache, HSTUEncoder
+from backend_src.model.ranker import MFalconRanker
+from backend_src.model.semantic_ids import SemanticIdCodebook
+
+CHECKPOINT_FORMAT = 1
+
+
+@dataclass
+class Recommendations:
+    items: torch.Tensor  # [B, K] item index (0 = empty slot)
+    rank_scores: torch.Tensor  # [B, K] ranker logits (-inf for empty slots)
+    log_probs: torch.Tensor  # [B, K] retrieval log-probability of the item's semantic ID
+    codes: torch.Tensor  # [B, K, 4] semantic IDs
+
+
+class GenerativeRecommender(nn.Module):
+    def __init__(self, cfg: ModelConfig, codebook: SemanticIdCodebook, item_ids: Sequence):
+        super().__init__()
+        self.cfg = cfg
+        self.backbone = HSTUEncoder(cfg)
+        self.decoder = SemanticIdDecoder(cfg)
+        self.ranker = MFalconRanker(self.backbone, cfg)
+        self.codebook = codebook
+        self.item_ids = np.asarray(item_ids, dtype=object)  # raw id of each item index; [0] = None
+        self._index = {str(raw): i for i, raw in enumerate(self.item_ids) if i > 0}
+
+    # ---------------------------------------------------------------- persistence
+    def save(self, path, metadata: dict | None = None) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        torch.save(
+            {
+                "format": CHECKPOINT_FORMAT,
+                "config": self.cfg.to_dict(),
+                "state_dict": self.state_dict(),
+                "item_ids": [None if x is None else str(x) for x in self.item_ids],
+                "codebook_sizes": list(self.codebook.codebook_sizes),
+                "metadata": metadata or {},
+            },
+            tmp,
+        )
+        tmp.replace(path)  # atomic: a reader never sees half a checkpoint
+
+    @classmethod
+    def load(cls, path, map_location="cpu") -> "GenerativeRecommender":
+        blob = torch.load(path, map_location=map_location, weights_only=False)
+        if blob.get("format") != CHECKPOINT_FORMAT:
+            raise ValueError(f"{path}: unsupported checkpoint format {blob.get('format')!r}")
+        cfg = ModelConfig.from_dict(blob["config"])
+        codebook = SemanticIdCodebook.empty(blob["codebook_sizes"], cfg.num_items)
+        model = cls(cfg, codebook, blob["item_ids"])
+        model.load_state_dict(blob["state_dict"])
+        model.metadata = blob.get("metadata", {})
+        return model.eval()
+
+    # ---------------------------------------------------------------- vocabulary
+    def item_indices(self, raw_ids: Sequence) -> np.ndarray:
+        out = np.empty(len(raw_ids), dtype=np.int64)
+        unknown = []
+        for j, raw in enumerate(raw_ids):  # a dict lookup per event: request-sized, not a hot loop
+            idx = self._index.get(raw.decode() if isinstance(raw, bytes) else str(raw))
+            if idx is None:
+                unknown.append(raw)
+                idx = 0
+            out[j] = idx
+        if unknown:
+            shown = ", ".join(repr(u) for u in unknown[:5])
+            more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
+            raise KeyError(f"unknown item ids: {shown}{more}")
+        return out
+
+    def raw_ids(self, indices: torch.Tensor) -> np.ndarray:
+        return self.item_ids[indices.cpu().numpy()]
+
+    # ---------------------------------------------------------------- inference
+    def encode(self, items, actions, timestamps, lengths) -> HistoryCache:
+        return self.backbone(items, actions, timestamps, lengths)
+
+    def append(self, cache: HistoryCache, items, actions, timestamps, new_lengths) -> HistoryCache:
+        return self.backbone.append(cache, items, actions, timestamps, new_lengths)
+
+    def retrieve(self, cache: HistoryCache, options: DecodeOptions) -> BeamResult:
+        return generate(self.decoder, self.codebook, cache.states, cache.lengths, options)
+
+    def rank(self, cache: HistoryCache, candidates: torch.Tensor, microbatch_size: int = 64) -> torch.Tensor:
+        return self.ranker.score(cache, candidates, microbatch_size)
+
+    @torch.no_grad()
+    def recommend(
+        self,
+        cache: HistoryCache,
+        options: DecodeOptions,
+        top_k: int = 10,
+        microbatch_size: int = 64,
+        exclude_seen: bool = False,
+        history_items: torch.Tensor | None = None,  # [B, N] needed when exclude_seen
+    ) -> Recommendations:
+        """Retrieve beam_width candidates by semantic-ID beam search, rank them with M-FALCON
+        against the same cached history, return the top_k by ranking score."""
+        beams = self.retrieve(cache, options)
+        scores = self.rank(cache, beams.item_ids, microbatch_size)  # [B, W]; -inf for empty beams
+        if exclude_seen:
+            if history_items is None:
+                raise ValueError("exclude_seen needs history_items")
+            seen = (beams.item_ids[:, :, None] == history_items[:, None, :]).any(-1)
+            scores = scores.masked_fill(seen, float("-inf"))
+        k = min(top_k, scores.shape[1])
+        top = torch.topk(scores, k, dim=1).indices
+        items = torch.gather(beams.item_ids, 1, top)
+        rank_scores = torch.gather(scores, 1, top)
+        items = items.masked_fill(torch.isinf(rank_scores), 0)
+        return Recommendations(
+            items=items,
+            rank_scores=rank_scores,
+            log_probs=torch.gather(beams.log_probs, 1, top),
+            codes=torch.gather(beams.codes, 1, top[:, :, None].expand(-1, -1, beams.codes.shape[-1])),
+        )

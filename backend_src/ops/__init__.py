@@ -1,0 +1,16 @@
+"""The op layer: one function per op, dispatched to the fastest backend for the tensors given.
+
+``reference`` (torch) always exists and defines the semantics. ``triton_kernels`` holds the
+Triton-lang kernels, used for CUDA tensors when Triton is importable (or everywhere when
+``GENREC_OPS_BACKEND=triton`` with ``TRITON_INTERPRET=1``, which is how the CPU tests run them).
+"""
+from backend_src.ops.dispatch import (  # noqa: F401
+    attention_probs,
+    backend_for,
+    decode_attention,
+    dynamic_topk_attention,
+    gather_rows,
+    hstu_attention,
+    pfa_select,
+)
+from backend_src.ops.reference import time_bucket  # noqa: F401

@@ -1,0 +1,59 @@
+"""Backend choice for each op call: Triton kernels on GPUs, the torch reference on CPUs."""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from backend_src.ops import reference
+
+_ENV = "GENREC_OPS_BACKEND"  # "auto" (default), "torch" or "triton"
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_module():
+    try:
+        from backend_src.ops import triton_kernels
+    except Exception:  # triton missing or too old: the reference serves
+        return None
+    return triton_kernels
+
+
+def backend_for(*tensors: torch.Tensor) -> str:
+    """'triton' when forced by the environment, or when every tensor is on a GPU and Triton
+    imports; 'torch' otherwise. Never launches a kernel without a driver to run it on."""
+    choice = os.environ.get(_ENV, "auto")
+    if choice == "torch":
+        return "torch"
+    mod = _triton_module()
+    if choice == "triton":
+        if mod is None:
+            raise RuntimeError(f"{_ENV}=triton but the Triton kernels cannot be imported")
+        return "triton"
+    if mod is not None and tensors and all(t.is_cuda for t in tensors) and torch.cuda.is_available():
+        return "triton"
+    return "torch"
+
+
+def _dispatch(name: str):
+    ref = getattr(reference, name)
+
+    @functools.wraps(ref)
+    def op(*args, **kwargs):
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if backend_for(*tensors) == "triton":
+            fn = getattr(_triton_module(), name, None)
+            if fn is not None:
+                return fn(*args, **kwargs)
+        return ref(*args, **kwargs)
+
+    return op
+
+
+hstu_attention = _dispatch("hstu_attention")
+attention_probs = _dispatch("attention_probs")
+decode_attention = _dispatch("decode_attention")
+pfa_select = _dispatch("pfa_select")
+dynamic_topk_attention = _dispatch("dynamic_topk_attention")
+gather_rows = _dispatch("gather_rows")

@@ -1,0 +1,138 @@
+"""Torch reference implementations of every op the model and the decoder use.
+
+These always exist and define the semantics; faster backends (Triton-lang kernels in
+``triton_kernels.py``) must match them and are compared against them in tests.
+Shapes: B users, W beams, H heads, N history rows, M query tokens, d head dim.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def _row_mask(lengths: torch.Tensor, n: int) -> torch.Tensor:
+    """[B] lengths -> [B, n] bool, True for rows < length."""
+    return torch.arange(n, device=lengths.device)[None, :] < lengths[:, None]
+
+
+def time_bucket(dt: torch.Tensor, num_buckets: int, base: float) -> torch.Tensor:
+    """Log-bucketed |time difference| (seconds): bucket = floor(log(1 + |dt|) / log(base)), clipped."""
+    dt = dt.abs().to(torch.float32)
+    return torch.clamp((torch.log1p(dt) / math.log(base)).floor().long(), 0, num_buckets - 1)
+
+
+# --------------------------------------------------------------------------------------------
+# HSTU pointwise attention (seed 001) with relative position + time bias and the M-FALCON mask
+# --------------------------------------------------------------------------------------------
+def hstu_attention(
+    q: torch.Tensor,  # [B, M, H, d]   queries (history tokens and/or candidate tokens)
+    k: torch.Tensor,  # [B, Nk, H, d]  keys: history rows first, then candidate rows (if any)
+    v: torch.Tensor,  # [B, Nk, H, dv]
+    q_pos: torch.Tensor,  # [B, M] long: sequence position of each query
+    k_pos: torch.Tensor,  # [B, Nk] long: sequence position of each key
+    q_ts: torch.Tensor,  # [B, M] long: timestamp (s) of each query
+    k_ts: torch.Tensor,  # [B, Nk] long
+    num_history: torch.Tensor,  # [B] long: keys j < num_history[b] are (valid) history rows
+    q_self: torch.Tensor,  # [B, M] long: the one non-history key a query may also see (itself), -1 if none
+    pos_bias: torch.Tensor,  # [H, P] relative-position bias, indexed by clamp(q_pos - k_pos, 0, P-1)
+    time_bias: torch.Tensor,  # [H, T] time bias, indexed by time_bucket(q_ts - k_ts)
+    time_base: float,
+    scale: float,
+    norm: float,  # the fixed divisor N of seed 001 (max sequence length), keeps incremental == full
+) -> torch.Tensor:
+    """out[b,i,h] = sum_j allowed(i,j) * silu(scale * q.k + rab_pos + rab_time) / norm * v[b,j,h].
+
+    allowed(i, j) = (j < num_history[b] and k_pos[j] <= q_pos[i])   # causal over history
+                    or j == q_self[b, i]                             # a candidate sees itself
+    History queries use q_self = -1; an M-FALCON candidate uses the index of its own key, so
+    candidates see the whole history and themselves, never each other.
+    """
+    B, M, H, _ = q.shape
+    Nk = k.shape[1]
+    logits = torch.einsum("bmhd,bnhd->bhmn", q, k) * scale
+    rel = (q_pos[:, :, None] - k_pos[:, None, :]).clamp(0, pos_bias.shape[1] - 1)  # [B, M, Nk]
+    tb = time_bucket(q_ts[:, :, None] - k_ts[:, None, :], time_bias.shape[1], time_base)
+    logits = logits + pos_bias[:, rel].permute(1, 0, 2, 3) + time_bias[:, tb].permute(1, 0, 2, 3)
+    j = torch.arange(Nk, device=q.device)
+    hist = (j[None, None, :] < num_history[:, None, None]) & (k_pos[:, None, :] <= q_pos[:, :, None])
+    allowed = hist | (j[None, None, :] == q_self[:, :, None])  # [B, M, Nk]
+    attn = F.silu(logits) / norm * allowed[:, None].to(logits.dtype)
+    return torch.einsum("bhmn,bnhd->bmhd", attn, v)
+
+
+# --------------------------------------------------------------------------------------------
+# Decode-time attention of beams over a user's history K/V (seed 000)
+# --------------------------------------------------------------------------------------------
+def attention_probs(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Softmax attention weights of every beam over the first lengths[b] rows.
+
+    q [B, W, H, d], k [B, N, H, d], lengths [B] -> probs [B, W, H, N] (0 beyond lengths[b]).
+    """
+    logits = torch.einsum("bwhd,bnhd->bwhn", q, k) * (q.shape[-1] ** -0.5)
+    valid = _row_mask(lengths, k.shape[1])[:, None, None, :]
+    logits = logits.masked_fill(~valid, float("-inf"))
+    return torch.softmax(logits.float(), dim=-1).to(q.dtype)
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """All beams of a user attend over the first lengths[b] rows of one contiguous K/V block.
+
+    With PFA these rows are the prefix k_t of the gathered, importance-sorted block, so a
+    shrinking budget is a shorter prefix and never an index gather.
+    q [B, W, H, d], k/v [B, N, H, d], lengths [B] -> [B, W, H, d].
+    """
+    return torch.einsum("bwhn,bnhd->bwhd", attention_probs(q, k, lengths), v)
+
+
+def pfa_select(
+    q: torch.Tensor,  # [B, W, H, d]
+    k: torch.Tensor,  # [B, N, H, d]
+    v: torch.Tensor,  # [B, N, H, d]
+    lengths: torch.Tensor,  # [B]
+    beam_weights: torch.Tensor,  # [B, W] normalized generation probabilities w_b = p_b / sum_j p_j
+    keep: int,
+):
+    """PFA selection step.
+
+    s_i = sum_b w_b * mean_h a_{b,h,i}  (one importance score per history row, shared by all beams)
+    order = the `keep` best rows by s, best first.  The step's own output reuses the weights it
+    already computed, restricted to the kept rows and renormalized.
+
+    Returns out [B, W, H, d], order [B, keep'] (keep' = min(keep, N); entries past kept_lengths[b]
+    are padding), kept_lengths [B] = min(keep, lengths).
+    """
+    probs = attention_probs(q, k, lengths)  # [B, W, H, N]
+    scores = torch.einsum("bw,bwn->bn", beam_weights.to(probs.dtype), probs.mean(dim=2))
+    scores = scores.masked_fill(~_row_mask(lengths, k.shape[1]), float("-inf"))
+    keep = min(keep, k.shape[1])
+    order = torch.topk(scores, keep, dim=1, sorted=True).indices  # [B, keep]
+    kept_lengths = torch.clamp(lengths, max=keep)
+    kept = torch.gather(probs, 3, order[:, None, None, :].expand(*probs.shape[:3], keep))
+    kept = kept * _row_mask(kept_lengths, keep)[:, None, None, :]
+    kept = kept / kept.sum(-1, keepdim=True).clamp_min(1e-30)
+    out = torch.einsum("bwhk,bkhd->bwhd", kept, gather_rows(v, order))
+    return out, order, kept_lengths
+
+
+def dynamic_topk_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, keep: int
+) -> torch.Tensor:
+    """Baseline: every beam ranks the history by its own head-averaged weights and attends
+    (renormalized) over its own top `keep` rows. Same selection rule as PFA, repeated per beam
+    and per step, with scattered rows. q [B,W,H,d], k/v [B,N,H,d] -> [B,W,H,d]."""
+    probs = attention_probs(q, k, lengths)  # [B, W, H, N]
+    keep = min(keep, k.shape[1])
+    idx = torch.topk(probs.mean(dim=2), keep, dim=-1).indices  # [B, W, keep]
+    kept = torch.gather(probs, 3, idx[:, :, None, :].expand(*probs.shape[:3], keep))
+    kept = kept / kept.sum(-1, keepdim=True).clamp_min(1e-30)
+    B, W, H, d = q.shape
+    rows = torch.gather(v, 1, idx.reshape(B, W * keep)[:, :, None, None].expand(B, W * keep, H, v.shape[-1]))
+    return torch.einsum("bwhk,bwkhd->bwhd", kept, rows.view(B, W, keep, H, v.shape[-1]))
+
+
+def gather_rows(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """x [B, N, ...], order [B, k] -> contiguous [B, k, ...] (rows in the given order)."""
+    idx = order.reshape(*order.shape, *([1] * (x.dim() - 2))).expand(*order.shape, *x.shape[2:])
+    return torch.gather(x, 1, idx).contiguous()
