@@ -42,7 +42,9 @@ def _dispatch(name: str):
     @functools.wraps(ref)
     def op(*args, **kwargs):
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        if backend_for(*tensors) == "triton":
+        # The kernels are forward-only: training (autograd) always takes the reference.
+        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+        if not needs_grad and backend_for(*tensors) == "triton":
             fn = getattr(_triton_module(), name, None)
             if fn is not None:
                 return fn(*args, **kwargs)

@@ -1,0 +1,340 @@
+"""HSTU backbone (seed 001, section 3) with a per-layer K/V cache and incremental append.
+
+One HSTU layer:
+    U, V, Q, K = split(silu(f1(LayerNorm(x))))
+    A = silu(Q K^T * scale + rab_pos + rab_time) / N          (causal, no softmax)
+    y = x + f2(dropout(LayerNorm(A V) * U))                   (no FFN)
+The divisor N is the fixed ``cfg.max_seq_len``, not the number of visible rows, so a row's
+output depends only on the rows before it: encoding a sequence in two parts (``append``) gives
+the same states and K/V as encoding it at once (``forward``).
+
+Batches are left-aligned: user b's events are rows 0..lengths[b]-1, row i sits at position i.
+Padding rows never influence valid rows; the cache stores zeros in them.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from backend_src import ops
+from backend_src.config import ModelConfig
+
+
+# --------------------------------------------------------------------------------------------
+# Cache
+# --------------------------------------------------------------------------------------------
+@dataclass
+class HistoryCache:
+    """What the encoder keeps per user (batched, left-aligned padded; rows >= lengths[b] are 0)."""
+
+    keys: torch.Tensor  # [L, B, N, H, dqk] per-layer keys of history rows
+    values: torch.Tensor  # [L, B, N, H, dv]
+    states: torch.Tensor  # [B, N, D] final (normalized) states of history rows
+    timestamps: torch.Tensor  # [B, N] long
+    lengths: torch.Tensor  # [B] long
+
+    # ---- shape helpers ------------------------------------------------------------------
+    @property
+    def batch_size(self) -> int:
+        return self.lengths.shape[0]
+
+    @property
+    def num_rows(self) -> int:
+        """N, the padded row count (>= max(lengths))."""
+        return self.states.shape[1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.states.device
+
+    def _map(self, fn) -> "HistoryCache":
+        """Apply fn(name, tensor) to every field."""
+        return HistoryCache(**{f.name: fn(f.name, getattr(self, f.name)) for f in fields(self)})
+
+    # ---- constructors -------------------------------------------------------------------
+    @classmethod
+    def empty(
+        cls,
+        cfg: ModelConfig,
+        batch_size: int = 1,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> "HistoryCache":
+        """A cache of `batch_size` users with no history (N = 0); `append` fills it."""
+        L, H, D = cfg.num_layers, cfg.num_heads, cfg.d_model
+        d = D // H
+        return cls(
+            keys=torch.zeros(L, batch_size, 0, H, d, device=device, dtype=dtype),
+            values=torch.zeros(L, batch_size, 0, H, d, device=device, dtype=dtype),
+            states=torch.zeros(batch_size, 0, D, device=device, dtype=dtype),
+            timestamps=torch.zeros(batch_size, 0, device=device, dtype=torch.long),
+            lengths=torch.zeros(batch_size, device=device, dtype=torch.long),
+        )
+
+    # ---- row (user) selection and padding ----------------------------------------------
+    def select(self, rows) -> "HistoryCache":
+        """The users `rows` (index tensor, list or slice) of this batch, in that order."""
+        if not isinstance(rows, slice):
+            rows = torch.as_tensor(rows, dtype=torch.long, device=self.device)
+        return self._map(lambda name, t: t[:, rows] if name in ("keys", "values") else t[rows])
+
+    def resize(self, n: int) -> "HistoryCache":
+        """Pad with zero rows or cut padding so that N = n (n must be >= max(lengths))."""
+        cur = self.num_rows
+        if n == cur:
+            return self
+        if n < cur:
+            return self._map(lambda name, t: t if name == "lengths" else t[:, :, :n] if name in ("keys", "values") else t[:, :n])
+
+        def pad(name, t):
+            if name == "lengths":
+                return t
+            dim = 2 if name in ("keys", "values") else 1
+            shape = list(t.shape)
+            shape[dim] = n - cur
+            return torch.cat([t, t.new_zeros(shape)], dim=dim)
+
+        return self._map(pad)
+
+    def trim(self) -> "HistoryCache":
+        """Drop padding rows past the longest history."""
+        return self.resize(int(self.lengths.max()) if self.batch_size else 0)
+
+    @classmethod
+    def cat(cls, caches: Sequence["HistoryCache"]) -> "HistoryCache":
+        """Stack caches (e.g. one per user, as a session store keeps them) into one batch."""
+        if len(caches) == 0:
+            raise ValueError("HistoryCache.cat needs at least one cache")
+        n = max(c.num_rows for c in caches)
+        caches = [c.resize(n) for c in caches]
+        return HistoryCache(
+            **{
+                f.name: torch.cat([getattr(c, f.name) for c in caches], dim=1 if f.name in ("keys", "values") else 0)
+                for f in fields(cls)
+            }
+        )
+
+    def split(self) -> list["HistoryCache"]:
+        """One single-user cache per batch row, each cut to its own length (the inverse of cat)."""
+        out = []
+        for b, n in enumerate(self.lengths.tolist()):  # a list per user is the result itself
+            out.append(self.select(slice(b, b + 1)).resize(n))
+        return out
+
+    # ---- device / bookkeeping -----------------------------------------------------------
+    def to(self, device=None, dtype: torch.dtype | None = None) -> "HistoryCache":
+        """Move to `device`; `dtype` (if given) applies to the float tensors only."""
+        return self._map(
+            lambda name, t: t.to(device=device, dtype=dtype if (dtype is not None and t.is_floating_point()) else None)
+        )
+
+    def detach(self) -> "HistoryCache":
+        return self._map(lambda name, t: t.detach())
+
+    def clone(self) -> "HistoryCache":
+        return self._map(lambda name, t: t.clone())
+
+    def num_bytes(self) -> int:
+        """Memory held by the tensors (for the session store's memory bound)."""
+        return sum(getattr(self, f.name).numel() * getattr(self, f.name).element_size() for f in fields(self))
+
+
+# --------------------------------------------------------------------------------------------
+# Helpers
+# --------------------------------------------------------------------------------------------
+def row_mask(lengths: torch.Tensor, n: int) -> torch.Tensor:
+    """[B] lengths -> [B, n] bool, True for rows < length."""
+    return torch.arange(n, device=lengths.device)[None, :] < lengths[:, None]
+
+
+def merge_rows(
+    old: torch.Tensor, new: torch.Tensor, lengths: torch.Tensor, new_lengths: torch.Tensor, n_out: int
+) -> torch.Tensor:
+    """Left-aligned concatenation per user, vectorized: out[b, j] = old[b, j] for j < lengths[b],
+    new[b, j - lengths[b]] for lengths[b] <= j < lengths[b] + new_lengths[b], 0 after.
+
+    old [B, No, ...] (No >= max(lengths)), new [B, Nn, ...] -> [B, n_out, ...].
+    """
+    B, No = old.shape[:2]
+    Nn = new.shape[1]
+    both = torch.cat([old, new], dim=1)  # [B, No + Nn, ...]
+    j = torch.arange(n_out, device=old.device)[None, :]  # [1, n_out]
+    from_old = j < lengths[:, None]
+    src = torch.where(from_old, j, No + (j - lengths[:, None]).clamp(0, max(Nn - 1, 0)))  # [B, n_out]
+    valid = j < (lengths + new_lengths)[:, None]
+    if No + Nn == 0:
+        return both.new_zeros((B, n_out) + tuple(both.shape[2:]))
+    src = src.clamp(max=No + Nn - 1)
+    idx = src.reshape(B, n_out, *([1] * (both.dim() - 2))).expand(B, n_out, *both.shape[2:])
+    out = torch.gather(both, 1, idx)
+    return out * valid.reshape(B, n_out, *([1] * (both.dim() - 2))).to(out.dtype)
+
+
+def _check_length(total: torch.Tensor, limit: int, what: str) -> None:
+    """Data-dependent check; skipped while tracing for export (shapes are fixed there)."""
+    if torch.jit.is_tracing() or torch.onnx.is_in_onnx_export():
+        return
+    if total.numel() and int(total.max()) > limit:
+        raise ValueError(
+            f"{what}: {int(total.max())} events exceed max_seq_len={limit}; "
+            f"re-encode the most recent {limit} events with forward() instead"
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Layers
+# --------------------------------------------------------------------------------------------
+class HSTULayer(nn.Module):
+    """One HSTU layer, split into its three steps so that the encoder (full and incremental)
+    and the M-FALCON ranker can run the attention over different key sets:
+    ``project`` (x -> U, Q, K, V), ``attend`` (the op), ``output`` (gate, f2, residual)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        D, H = cfg.d_model, cfg.num_heads
+        if D % H:
+            raise ValueError(f"d_model {D} must be divisible by num_heads {H}")
+        self.num_heads = H
+        self.dqk = self.dv = D // H
+        self.norm = nn.LayerNorm(D)
+        self.f1 = nn.Linear(D, 2 * H * self.dv + 2 * H * self.dqk)  # -> U, V, Q, K
+        self.attn_norm = nn.LayerNorm(H * self.dv)
+        self.f2 = nn.Linear(H * self.dv, D)
+        self.dropout = nn.Dropout(cfg.dropout)
+        # rab^{p,t}: per-head bias by relative position (q_pos - k_pos) and log-bucketed |dt|
+        self.pos_bias = nn.Parameter(torch.empty(H, cfg.max_seq_len).normal_(0.0, 0.02))
+        self.time_bias = nn.Parameter(torch.empty(H, cfg.num_time_buckets).normal_(0.0, 0.02))
+        self.time_base = cfg.time_bucket_base
+        self.scale = 1.0 / math.sqrt(self.dqk)
+        self.attn_divisor = float(cfg.max_seq_len)  # the fixed N of seed 001
+
+    def project(self, x: torch.Tensor):
+        """x [B, M, D] -> U [B, M, H*dv], Q [B, M, H, dqk], K [B, M, H, dqk], V [B, M, H, dv]."""
+        H, dv, dqk = self.num_heads, self.dv, self.dqk
+        u, v, q, k = torch.split(F.silu(self.f1(self.norm(x))), [H * dv, H * dv, H * dqk, H * dqk], dim=-1)
+        B, M = x.shape[:2]
+        return u, q.reshape(B, M, H, dqk), k.reshape(B, M, H, dqk), v.reshape(B, M, H, dv)
+
+    def attend(self, q, k, v, q_pos, k_pos, q_ts, k_ts, num_history, q_self) -> torch.Tensor:
+        """A(X) V through the shared op (positional arguments: the op dispatches on them)."""
+        return ops.hstu_attention(
+            q, k, v, q_pos, k_pos, q_ts, k_ts, num_history, q_self,
+            self.pos_bias, self.time_bias, self.time_base, self.scale, self.attn_divisor,
+        )
+
+    def output(self, x: torch.Tensor, attn: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """y = x + f2(dropout(LayerNorm(A V) * U)); attn [B, M, H, dv]."""
+        return x + self.f2(self.dropout(self.attn_norm(attn.flatten(-2)) * u))
+
+
+class HSTUEncoder(nn.Module):
+    """Token x_i = E_item[item_i] + E_action[action_i] (scaled by sqrt(D)), HSTU layers,
+    final LayerNorm. ``forward`` encodes whole (left-aligned) sequences; ``append`` encodes
+    only new events on top of a ``HistoryCache``."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        D = cfg.d_model
+        self.item_embedding = nn.Embedding(cfg.num_items + 1, D, padding_idx=0)
+        self.action_embedding = nn.Embedding(cfg.num_actions, D)
+        nn.init.trunc_normal_(self.item_embedding.weight, std=0.02)
+        nn.init.trunc_normal_(self.action_embedding.weight, std=0.02)
+        with torch.no_grad():
+            self.item_embedding.weight[0].zero_()
+        self.input_dropout = nn.Dropout(cfg.dropout)
+        self.layers = nn.ModuleList(HSTULayer(cfg) for _ in range(cfg.num_layers))
+        self.final_norm = nn.LayerNorm(D)
+        self.embed_scale = math.sqrt(D)
+
+    def embed(self, items: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
+        """[B, M] ids -> [B, M, D] input tokens (embeddings are small at init; sqrt(D) scaling
+        brings them to unit scale next to the residual stream)."""
+        x = (self.item_embedding(items) + self.action_embedding(actions)) * self.embed_scale
+        return self.input_dropout(x)
+
+    # ---- full encode ------------------------------------------------------------------------
+    def forward(
+        self,
+        items: torch.Tensor,  # [B, N] long, 0 = padding
+        actions: torch.Tensor,  # [B, N] long
+        timestamps: torch.Tensor,  # [B, N] long seconds
+        lengths: torch.Tensor,  # [B] long
+    ) -> HistoryCache:
+        _check_length(lengths, self.cfg.max_seq_len, "forward")
+        B, N = items.shape
+        valid = row_mask(lengths, N)  # [B, N]
+        vmask = valid[..., None].to(self.item_embedding.weight.dtype)
+        x = self.embed(items, actions) * vmask
+        pos = torch.arange(N, device=items.device).expand(B, N)
+        no_self = torch.full_like(pos, -1)
+        keys, values = [], []
+        for layer in self.layers:
+            u, q, k, v = layer.project(x)
+            k = k * vmask[..., None]  # padding rows hold zeros in the cache
+            v = v * vmask[..., None]
+            attn = layer.attend(q, k, v, pos, pos, timestamps, timestamps, lengths, no_self)
+            x = layer.output(x, attn, u)
+            keys.append(k)
+            values.append(v)
+        states = self.final_norm(x) * vmask
+        return HistoryCache(
+            keys=torch.stack(keys),
+            values=torch.stack(values),
+            states=states,
+            timestamps=timestamps * valid,
+            lengths=lengths,
+        )
+
+    # ---- incremental encode -----------------------------------------------------------------
+    def append(
+        self,
+        cache: HistoryCache,
+        items: torch.Tensor,  # [B, Nn] new events, left-aligned
+        actions: torch.Tensor,  # [B, Nn]
+        timestamps: torch.Tensor,  # [B, Nn]
+        new_lengths: torch.Tensor,  # [B] long, may be 0 for some users
+    ) -> HistoryCache:
+        """Encode only the new events: user b's new event i sits at position cache.lengths[b] + i
+        and attends causally to the cached rows and the new rows before it. Returns the cache of
+        the combined histories (N = longest combined history).
+
+        Raises ValueError if a combined history would exceed cfg.max_seq_len: positions past the
+        bias table and the fixed divisor are not defined there, so the caller must re-encode
+        the most recent max_seq_len events with ``forward`` instead.
+        """
+        total = cache.lengths + new_lengths
+        _check_length(total, self.cfg.max_seq_len, "append")
+        B, Nn = items.shape
+        n_out = int(total.max()) if B else 0
+        old_len = cache.lengths
+        new_valid = row_mask(new_lengths, Nn)
+        nmask = new_valid[..., None].to(self.item_embedding.weight.dtype)
+
+        x = self.embed(items, actions) * nmask
+        q_pos = old_len[:, None] + torch.arange(Nn, device=items.device)[None, :]  # [B, Nn]
+        k_pos = torch.arange(n_out, device=items.device).expand(B, n_out)  # row index = position
+        k_ts = merge_rows(cache.timestamps, timestamps, old_len, new_lengths, n_out)
+        no_self = torch.full_like(q_pos, -1)
+        keys, values = [], []
+        for li, layer in enumerate(self.layers):
+            u, q, k, v = layer.project(x)
+            k_all = merge_rows(cache.keys[li], k, old_len, new_lengths, n_out)  # [B, n_out, H, dqk]
+            v_all = merge_rows(cache.values[li], v, old_len, new_lengths, n_out)
+            attn = layer.attend(q, k_all, v_all, q_pos, k_pos, timestamps, k_ts, total, no_self)
+            x = layer.output(x, attn, u)
+            keys.append(k_all)
+            values.append(v_all)
+        states = merge_rows(cache.states, self.final_norm(x) * nmask, old_len, new_lengths, n_out)
+        return HistoryCache(
+            keys=torch.stack(keys),
+            values=torch.stack(values),
+            states=states,
+            timestamps=k_ts,
+            lengths=total,
+        )

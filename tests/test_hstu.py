@@ -1,0 +1,226 @@
+"""HSTU backbone: incremental append equals full encode, padding and causality, gradients."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from backend_src.config import ModelConfig
+from backend_src.model.hstu import HistoryCache, HSTUEncoder, merge_rows
+
+ATOL = 1e-5
+
+
+def tiny_config(**kw) -> ModelConfig:
+    base = dict(num_items=50, d_model=32, num_layers=2, num_heads=2, max_seq_len=64, num_time_buckets=16, dropout=0.1)
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+def make_encoder(cfg: ModelConfig, seed: int = 0) -> HSTUEncoder:
+    """An encoder whose biases are large enough that a wrong position or time index shows."""
+    torch.manual_seed(seed)
+    enc = HSTUEncoder(cfg)
+    with torch.no_grad():
+        for layer in enc.layers:
+            layer.pos_bias.normal_(0.0, 1.0)
+            layer.time_bias.normal_(0.0, 1.0)
+        enc.item_embedding.weight[1:].normal_(0.0, 0.3)
+        enc.action_embedding.weight.normal_(0.0, 0.3)
+    return enc.eval()
+
+
+def make_batch(lengths, n=None, num_items=50, seed=1):
+    """Left-aligned random histories; padding rows hold junk (they must not matter)."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.tensor(lengths, dtype=torch.long)
+    B = len(lengths)
+    n = n or int(lengths.max())
+    items = torch.randint(1, num_items + 1, (B, n), generator=g)
+    actions = torch.randint(0, 6, (B, n), generator=g)
+    gaps = torch.randint(0, 10**6, (B, n), generator=g) * (torch.rand(B, n, generator=g) < 0.7)
+    timestamps = 1_600_000_000 + gaps.cumsum(1)
+    return items, actions, timestamps, lengths
+
+
+def cut(items, actions, timestamps, lengths, splits):
+    """First part = events [0, split), second part = events [split, length), both left-aligned."""
+    splits = torch.tensor(splits, dtype=torch.long)
+    B, N = items.shape
+    n2 = lengths - splits
+    j = torch.arange(N)[None, :]
+    src = (splits[:, None] + j).clamp(max=N - 1)
+    second = [t.gather(1, src) for t in (items, actions, timestamps)]
+    return (items, actions, timestamps, splits), (*second, n2)
+
+
+def assert_cache_close(a: HistoryCache, b: HistoryCache, atol=ATOL):
+    a, b = a.trim(), b.trim()
+    assert torch.equal(a.lengths, b.lengths)
+    assert torch.equal(a.timestamps, b.timestamps)
+    torch.testing.assert_close(a.states, b.states, atol=atol, rtol=0)
+    torch.testing.assert_close(a.keys, b.keys, atol=atol, rtol=0)
+    torch.testing.assert_close(a.values, b.values, atol=atol, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def cfg():
+    return tiny_config()
+
+
+@pytest.fixture(scope="module")
+def enc(cfg):
+    return make_encoder(cfg)
+
+
+def test_forward_shapes(cfg, enc):
+    batch = make_batch([5, 9, 1])
+    c = enc(*batch)
+    assert c.keys.shape == (2, 3, 9, 2, 16) and c.values.shape == (2, 3, 9, 2, 16)
+    assert c.states.shape == (3, 9, 32) and c.timestamps.shape == (3, 9)
+    # padding rows are zeros in the cache
+    assert c.states[2, 1:].abs().sum() == 0 and c.keys[:, 0, 5:].abs().sum() == 0
+
+
+@pytest.mark.parametrize(
+    "lengths,splits",
+    [
+        ([10, 1, 25, 7, 40, 64], [3, 0, 25, 6, 17, 63]),  # includes empty first part and empty second part
+        ([12, 12, 12], [1, 6, 11]),
+        ([30, 2], [29, 1]),
+    ],
+)
+def test_two_part_identity(enc, lengths, splits):
+    batch = make_batch(lengths, seed=sum(splits))
+    first, second = cut(*batch, splits)
+    with torch.no_grad():
+        full = enc(*batch)
+        inc = enc.append(enc(*first), *second)
+    assert_cache_close(full, inc)
+
+
+def test_three_parts_and_from_empty(cfg, enc):
+    batch = make_batch([20, 8, 33], seed=3)
+    a, rest = cut(*batch, [5, 8, 0])
+    with torch.no_grad():
+        full = enc(*batch)
+        b, c = cut(*rest, [7, 0, 10])
+        inc = enc.append(enc.append(enc(*a), *b), *c)
+        from_empty = enc.append(HistoryCache.empty(cfg, 3), *batch)
+    assert_cache_close(full, inc)
+    assert_cache_close(full, from_empty)
+
+
+def test_append_to_cat_of_single_user_caches(enc):
+    """Serving keeps one cache per user and batches them for an append."""
+    batch = make_batch([14, 3, 22], seed=4)
+    first, second = cut(*batch, [9, 2, 5])
+    with torch.no_grad():
+        full = enc(*batch)
+        per_user = enc(*first).split()
+        assert [c.num_rows for c in per_user] == [9, 2, 5]
+        batched = HistoryCache.cat(per_user[::-1]).select([2, 1, 0])
+        inc = enc.append(batched, *second)
+    assert_cache_close(full, inc)
+
+
+def test_append_overflow_raises(cfg, enc):
+    batch = make_batch([60, 3], seed=5)
+    with torch.no_grad():
+        cache = enc(*batch)
+        new = make_batch([5, 5], seed=6)
+        with pytest.raises(ValueError, match="max_seq_len"):
+            enc.append(cache, *new)
+        with pytest.raises(ValueError, match="max_seq_len"):
+            enc(*make_batch([65], seed=7))
+
+
+def test_padding_invariance(enc):
+    items, actions, ts, lengths = make_batch([6, 11, 3], n=11, seed=8)
+    junk_items, junk_actions, junk_ts, _ = make_batch([20, 20, 20], n=20, seed=9)
+    pad = lambda x, junk: torch.cat([x, junk[:, 11:]], 1)  # noqa: E731
+    valid = torch.arange(20)[None] < lengths[:, None]
+    j_items = torch.where(valid, pad(items, junk_items), junk_items)
+    j_actions = torch.where(valid, pad(actions, junk_actions), junk_actions)
+    j_ts = torch.where(valid, pad(ts, junk_ts), junk_ts)
+    with torch.no_grad():
+        a = enc(items, actions, ts, lengths)
+        b = enc(j_items, j_actions, j_ts, lengths)
+        alone = enc(items[1:2], actions[1:2], ts[1:2], lengths[1:2])
+    assert_cache_close(a, b)
+    assert_cache_close(a.select([1]), alone)
+
+
+def test_causality(enc):
+    items, actions, ts, lengths = make_batch([16, 16], seed=10)
+    t = 9
+    items2, actions2, ts2 = items.clone(), actions.clone(), ts.clone()
+    items2[:, t] = items[:, t] % 50 + 1
+    actions2[:, t] = (actions[:, t] + 1) % 6
+    ts2[:, t:] += 12345
+    with torch.no_grad():
+        a = enc(items, actions, ts, lengths)
+        b = enc(items2, actions2, ts2, lengths)
+    torch.testing.assert_close(a.states[:, :t], b.states[:, :t], atol=ATOL, rtol=0)
+    torch.testing.assert_close(a.keys[:, :, :t], b.keys[:, :, :t], atol=ATOL, rtol=0)
+    assert (a.states[:, t:] - b.states[:, t:]).abs().amax(-1).min() > 1e-4  # later rows do change
+
+
+def test_time_and_position_matter(enc):
+    items, actions, ts, lengths = make_batch([12], seed=11)
+    with torch.no_grad():
+        a = enc(items, actions, ts, lengths)
+        b = enc(items, actions, ts * 0 + ts[:, :1], lengths)  # same events, all at one time
+    assert (a.states[0, 1:] - b.states[0, 1:]).abs().max() > 1e-3
+
+
+def test_gradient_flows(cfg):
+    enc = make_encoder(cfg, seed=2).train()
+    items, actions, ts, lengths = make_batch([7, 13, 2], seed=12)
+    cache = enc(items, actions, ts, lengths)
+    loss = cache.states.pow(2).mean() + cache.keys.mean() + cache.values.mean()
+    loss.backward()
+    for name, p in enc.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), name
+        assert p.grad.abs().sum() > 0, name
+    assert enc.item_embedding.weight.grad[0].abs().sum() == 0  # padding id learns nothing
+    # Q and K reach the output only through the attention op: their f1 rows must learn too
+    for layer in enc.layers:
+        hdv = layer.num_heads * layer.dv
+        assert layer.f1.weight.grad[2 * hdv :].abs().sum() > 0
+
+
+def test_gradient_through_append(cfg):
+    enc = make_encoder(cfg, seed=3).train()
+    batch = make_batch([9, 5], seed=13)
+    first, second = cut(*batch, [4, 2])
+    cache = enc.append(enc(*first), *second)
+    cache.states.sum().backward()
+    assert all(p.grad is not None for p in enc.parameters())
+
+
+def test_cache_helpers(cfg, enc):
+    with torch.no_grad():
+        cache = enc(*make_batch([4, 9, 1], seed=14))
+    assert cache.num_bytes() == sum(
+        t.numel() * t.element_size() for t in (cache.keys, cache.values, cache.states, cache.timestamps, cache.lengths)
+    )
+    parts = cache.split()
+    assert [p.num_rows for p in parts] == [4, 9, 1]
+    assert_cache_close(HistoryCache.cat(parts), cache)
+    sel = cache.select(torch.tensor([2, 0]))
+    assert sel.lengths.tolist() == [1, 4]
+    torch.testing.assert_close(sel.states[1], cache.states[0])
+    moved = cache.to("cpu", dtype=torch.float64)
+    assert moved.states.dtype == torch.float64 and moved.lengths.dtype == torch.long
+    e = HistoryCache.empty(cfg, 2)
+    assert e.num_rows == 0 and e.lengths.tolist() == [0, 0]
+    padded = cache.resize(15)
+    assert padded.num_rows == 15
+    assert_cache_close(padded, cache)
+
+
+def test_merge_rows():
+    old = torch.tensor([[1, 2, 0], [5, 0, 0]])
+    new = torch.tensor([[7, 8], [9, 0]])
+    out = merge_rows(old, new, torch.tensor([2, 1]), torch.tensor([2, 1]), 4)
+    assert out.tolist() == [[1, 2, 7, 8], [5, 9, 0, 0]]
