@@ -1,0 +1,277 @@
+"""Runs the M-FALCON ranker for serving: in torch, in ONNX Runtime (``ranker.onnx``) or in
+TensorRT (``ranker.plan``), behind one ``score`` call.
+
+The exported graph scores ONE microbatch of candidates against the users' cached history
+K/V (the history is an input, never recomputed); ``RankerRuntime.score`` keeps M-FALCON's
+microbatching by looping over microbatches of b_m candidates and concatenating the scores.
+
+Graph contract (all backends):
+    history_keys        [L, B, n, H, dqk] float32   per-layer keys of the history rows
+    history_values      [L, B, n, H, dv]  float32
+    history_timestamps  [B, n]            int64     seconds; rows >= length are padding
+    history_lengths     [B]               int64
+    candidates          [B, m]            int64     item indices, 0 = padding
+ -> scores              [B, m]            float32   logits; padding candidates get -inf
+B, n and m are dynamic; n >= 1 (an empty history is passed as one padding row, length 0).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from backend_src.model.hstu import HistoryCache
+from backend_src.model.ranker import MFalconRanker
+
+INPUT_NAMES = ("history_keys", "history_values", "history_timestamps", "history_lengths", "candidates")
+OUTPUT_NAME = "scores"
+# which input axis is which dynamic dimension (None: fixed by the model config)
+INPUT_AXES = {
+    "history_keys": (None, "B", "n", None, None),
+    "history_values": (None, "B", "n", None, None),
+    "history_timestamps": ("B", "n"),
+    "history_lengths": ("B",),
+    "candidates": ("B", "m"),
+}
+OUTPUT_AXES = ("B", "m")
+BACKENDS = ("torch", "onnxruntime", "tensorrt")
+ONNX_FILE = "ranker.onnx"
+PLAN_FILE = "ranker.plan"
+
+
+def as_ranker(model_or_ranker: nn.Module) -> MFalconRanker:
+    """The MFalconRanker of a GenerativeRecommender (``.ranker``), or the ranker itself."""
+    if isinstance(model_or_ranker, MFalconRanker):
+        return model_or_ranker
+    ranker = getattr(model_or_ranker, "ranker", None)
+    if isinstance(ranker, MFalconRanker):
+        return ranker
+    raise TypeError(f"expected an MFalconRanker or a model with .ranker, got {type(model_or_ranker).__name__}")
+
+
+class RankerGraph(nn.Module):
+    """The exported computation: one microbatch of candidates against the cached history.
+
+    Same math as ``MFalconRanker.score`` with the whole microbatch at once (candidates never
+    see each other, so scores do not depend on how candidates are split into microbatches).
+    Written without data-dependent Python branches so that B, n and m stay symbolic.
+    """
+
+    def __init__(self, ranker: MFalconRanker):
+        super().__init__()
+        self.ranker = ranker
+
+    def forward(self, history_keys, history_values, history_timestamps, history_lengths, candidates):
+        B, n = history_timestamps.shape
+        cache = HistoryCache(
+            keys=history_keys,
+            values=history_values,
+            states=history_keys.new_zeros(B, n, 0),  # only its row count is read
+            timestamps=history_timestamps,
+            lengths=history_lengths,
+        )
+        # candidate time = last history timestamp (0 for an empty history), as in score()
+        last = (history_lengths - 1).clamp(min=0)
+        cand_ts = history_timestamps.gather(1, last[:, None]).squeeze(1) * (history_lengths > 0)
+        states = self.ranker.candidate_states(cache, candidates, history_lengths, cand_ts, None)
+        return self.ranker.head_logits(states, candidates)
+
+
+def example_inputs(cfg, B: int = 2, n: int = 5, m: int = 3, seed: int = 0):
+    """Random inputs of the graph contract (tracing example; tests)."""
+    g = torch.Generator().manual_seed(seed)
+    L, H = cfg.num_layers, cfg.num_heads
+    d = cfg.d_model // H
+    lengths = torch.randint(1, n + 1, (B,), generator=g)
+    lengths[0] = n
+    valid = torch.arange(n)[None, :] < lengths[:, None]
+    keys = torch.randn(L, B, n, H, d, generator=g) * valid[None, :, :, None, None]
+    values = torch.randn(L, B, n, H, d, generator=g) * valid[None, :, :, None, None]
+    ts = (1_600_000_000 + torch.randint(0, 10**5, (B, n), generator=g).cumsum(1)) * valid
+    cands = torch.randint(1, cfg.num_items + 1, (B, m), generator=g)
+    return keys, values, ts, lengths, cands
+
+
+# ------------------------------------------------------------------------------------------
+# Runtime
+# ------------------------------------------------------------------------------------------
+class RankerRuntime:
+    """Scores [B, M] candidates against cached histories with one of BACKENDS.
+
+    Build with ``RankerRuntime.torch(ranker)``, ``.onnxruntime(path)``, ``.tensorrt(path)`` or
+    ``.from_version_dir(dir, model)``. ``provider`` names what actually executes the graph.
+    """
+
+    def __init__(self, backend: str, runner, provider: str, device: str = "cpu"):
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        self.backend = backend
+        self.provider = provider
+        self.device = device
+        self._run = runner  # (keys, values, ts, lengths, cands) torch tensors -> [B, m] torch
+
+    # ---- constructors ---------------------------------------------------------------------
+    @classmethod
+    def torch(cls, model_or_ranker: nn.Module, device: str | torch.device | None = None) -> "RankerRuntime":
+        """Serve the ranker module itself (switched to eval mode: no dropout)."""
+        ranker = as_ranker(model_or_ranker)
+        if device is not None:
+            ranker.to(device)
+        dev = str(next(ranker.parameters()).device)
+        graph = RankerGraph(ranker).eval()
+
+        def run(*inputs):
+            with torch.inference_mode():
+                return graph(*(t.to(dev) for t in inputs))
+
+        return cls("torch", run, f"torch:{dev}", dev)
+
+    @classmethod
+    def onnxruntime(cls, onnx_path, num_threads: int | None = None) -> "RankerRuntime":
+        import onnxruntime as ort
+
+        opts = ort.SessionOptions()
+        if num_threads:
+            opts.intra_op_num_threads = int(num_threads)
+        sess = ort.InferenceSession(str(onnx_path), opts, providers=["CPUExecutionProvider"])
+        names = tuple(i.name for i in sess.get_inputs())
+        if set(names) != set(INPUT_NAMES):
+            raise ValueError(f"{onnx_path}: graph inputs {names} are not {INPUT_NAMES}")
+
+        def run(*inputs):
+            feed = {name: t.detach().cpu().numpy() for name, t in zip(INPUT_NAMES, inputs)}
+            return torch.from_numpy(sess.run([OUTPUT_NAME], feed)[0])
+
+        runtime = cls("onnxruntime", run, sess.get_providers()[0], "cpu")
+        runtime.session = sess
+        return runtime
+
+    @classmethod
+    def tensorrt(cls, plan_path, device: str = "cuda") -> "RankerRuntime":
+        return cls("tensorrt", _TensorRTRunner(plan_path, device), "TensorRT", device)
+
+    @classmethod
+    def from_version_dir(cls, path, model: nn.Module | None = None, backend: str = "auto") -> "RankerRuntime":
+        """The fastest backend a model version supports here: tensorrt (ranker.plan, a CUDA
+        GPU and an importable tensorrt) > onnxruntime (ranker.onnx) > torch (``model``)."""
+        vdir = Path(path)
+        plan, onnx_file = vdir / PLAN_FILE, vdir / ONNX_FILE
+        if backend == "auto":
+            if plan.exists() and torch.cuda.is_available() and _importable("tensorrt"):
+                backend = "tensorrt"
+            elif onnx_file.exists() and _importable("onnxruntime"):
+                backend = "onnxruntime"
+            else:
+                backend = "torch"
+        if backend == "tensorrt":
+            return cls.tensorrt(plan)
+        if backend == "onnxruntime":
+            return cls.onnxruntime(onnx_file)
+        if backend == "torch":
+            if model is None:
+                raise ValueError(f"{vdir}: no {PLAN_FILE}/{ONNX_FILE} usable here and no torch model given")
+            return cls.torch(model)
+        raise ValueError(f"backend must be 'auto' or one of {BACKENDS}, got {backend!r}")
+
+    # ---- scoring --------------------------------------------------------------------------
+    def score(self, keys, values, timestamps, lengths, candidates, microbatch_size: int = 64):
+        """Scores [B, M] (same type as ``candidates``: numpy in -> numpy out, else torch).
+
+        keys/values [L, B, n, H, d], timestamps [B, n], lengths [B], candidates [B, M] (0 =
+        padding, scored -inf). The candidates go through the graph b_m at a time."""
+        as_numpy = isinstance(candidates, np.ndarray)
+        keys, values = _tensor(keys, torch.float32), _tensor(values, torch.float32)
+        timestamps, lengths = _tensor(timestamps, torch.long), _tensor(lengths, torch.long)
+        candidates = _tensor(candidates, torch.long)
+        B, M = candidates.shape
+        if timestamps.shape[1] == 0:  # the graph needs n >= 1: one padding row changes nothing
+            L, _, _, H, d = keys.shape
+            keys, values = keys.new_zeros(L, B, 1, H, d), values.new_zeros(L, B, 1, H, values.shape[-1])
+            timestamps = timestamps.new_zeros(B, 1)
+        bm = max(1, int(microbatch_size or M))
+        parts = [
+            self._run(keys, values, timestamps, lengths, candidates[:, s : s + bm]).float()
+            for s in range(0, M, bm)  # microbatches; each call is batched over users
+        ]
+        scores = torch.cat(parts, dim=1) if parts else torch.zeros(B, 0)
+        return scores.cpu().numpy() if as_numpy else scores
+
+    def score_cache(self, cache: HistoryCache, candidates, microbatch_size: int = 64):
+        """``score`` on a HistoryCache."""
+        return self.score(cache.keys, cache.values, cache.timestamps, cache.lengths, candidates, microbatch_size)
+
+    def __repr__(self) -> str:
+        return f"RankerRuntime(backend={self.backend!r}, provider={self.provider!r})"
+
+
+def _tensor(x, dtype) -> torch.Tensor:
+    t = torch.from_numpy(np.ascontiguousarray(x)) if isinstance(x, np.ndarray) else torch.as_tensor(x)
+    return t.to(dtype)
+
+
+def _importable(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
+
+
+class _TensorRTRunner:
+    """Executes a serialized TensorRT engine on torch CUDA tensors (the engine reads and
+    writes the tensors' memory directly; one CUDA stream, synchronized per call)."""
+
+    def __init__(self, plan_path, device: str = "cuda"):
+        try:
+            import tensorrt as trt
+        except ImportError as e:
+            raise RuntimeError("the TensorRT backend needs the 'tensorrt' Python package") from e
+        if not torch.cuda.is_available():
+            raise RuntimeError("the TensorRT backend needs a CUDA GPU")
+        self.trt = trt
+        self.device = torch.device(device)
+        self.logger = trt.Logger(trt.Logger.WARNING)
+        self.runtime = trt.Runtime(self.logger)
+        self.engine = self.runtime.deserialize_cuda_engine(Path(plan_path).read_bytes())
+        if self.engine is None:
+            raise RuntimeError(f"{plan_path}: TensorRT could not deserialize the plan")
+        self.context = self.engine.create_execution_context()
+        self.v10 = hasattr(self.engine, "num_io_tensors")  # name-based I/O API (TensorRT >= 8.5)
+        self.dtypes = {name: self._torch_dtype(self._engine_dtype(name)) for name in INPUT_NAMES + (OUTPUT_NAME,)}
+
+    def _engine_dtype(self, name):
+        if self.v10:
+            return self.engine.get_tensor_dtype(name)
+        return self.engine.get_binding_dtype(self.engine.get_binding_index(name))
+
+    def _torch_dtype(self, trt_dtype):
+        trt = self.trt
+        table = {trt.float32: torch.float32, trt.float16: torch.float16, trt.int32: torch.int32, trt.bool: torch.bool}
+        if hasattr(trt, "int64"):
+            table[trt.int64] = torch.int64
+        return table[trt_dtype]
+
+    def __call__(self, *inputs):
+        # int64 inputs become int32 where the engine declares them so (older parsers)
+        ins = [t.to(self.device, self.dtypes[name]).contiguous() for name, t in zip(INPUT_NAMES, inputs)]
+        B, m = inputs[4].shape
+        out = torch.empty(B, m, dtype=self.dtypes[OUTPUT_NAME], device=self.device)
+        stream = torch.cuda.current_stream(self.device)
+        if self.v10:
+            for name, t in zip(INPUT_NAMES, ins):
+                self.context.set_input_shape(name, tuple(t.shape))
+                self.context.set_tensor_address(name, t.data_ptr())
+            self.context.set_tensor_address(OUTPUT_NAME, out.data_ptr())
+            ok = self.context.execute_async_v3(stream.cuda_stream)
+        else:
+            bindings = [0] * self.engine.num_bindings
+            for name, t in zip(INPUT_NAMES, ins):
+                i = self.engine.get_binding_index(name)
+                self.context.set_binding_shape(i, tuple(t.shape))
+                bindings[i] = t.data_ptr()
+            bindings[self.engine.get_binding_index(OUTPUT_NAME)] = out.data_ptr()
+            ok = self.context.execute_async_v2(bindings, stream.cuda_stream)
+        if not ok:
+            raise RuntimeError("TensorRT execution failed")
+        stream.synchronize()
+        return out.float()
