@@ -53,7 +53,6 @@ class GenerativeRecommender(nn.Module):
                 "config": self.cfg.to_dict(),
                 "state_dict": self.state_dict(),
                 "item_ids": [None if x is None else str(x) for x in self.item_ids],
-                "codebook_sizes": list(self.codebook.codebook_sizes),
                 "metadata": metadata or {},
             },
             tmp,
@@ -66,8 +65,7 @@ class GenerativeRecommender(nn.Module):
         if blob.get("format") != CHECKPOINT_FORMAT:
             raise ValueError(f"{path}: unsupported checkpoint format {blob.get('format')!r}")
         cfg = ModelConfig.from_dict(blob["config"])
-        codebook = SemanticIdCodebook.empty(blob["codebook_sizes"], cfg.num_items)
-        model = cls(cfg, codebook, blob["item_ids"])
+        model = cls(cfg, SemanticIdCodebook(), blob["item_ids"])  # tables take the stored shapes
         model.load_state_dict(blob["state_dict"])
         model.metadata = blob.get("metadata", {})
         return model.eval()

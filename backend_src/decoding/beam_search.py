@@ -1,0 +1,157 @@
+"""Batched constrained beam search over semantic IDs with switchable history attention.
+
+Modes (DecodeOptions.mode), s = selection step:
+  full          every beam attends over the whole history at every step
+  pfa           seed 000: steps < s full; at step s the beams' head-averaged weights, each beam
+                weighted by its normalized generation probability, rank the history once for all
+                beams; the top k rows of every later step's K/V are gathered once into contiguous
+                memory, and step t > s reads only its first k_t = max(1, ceil(k r^(t-s))) rows
+  pfa_per_beam  the same, but every beam keeps its own ranking (reordered with its parent)
+  dynamic_topk  steps < s full; from step s on every beam picks its own top k_t rows every step
+Only codes that continue an existing item are ever expanded, so every result is a real item.
+Loops run over the 4 decoding steps only; users and beams are tensor dimensions.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from backend_src import ops
+from backend_src.config import DecodeOptions
+
+NEG_INF = float("-inf")
+
+
+@dataclass
+class BeamResult:
+    item_ids: torch.Tensor  # [B, W] item indices, best first; 0 where fewer than W items exist
+    codes: torch.Tensor  # [B, W, 4] semantic IDs (-1 for empty slots)
+    log_probs: torch.Tensor  # [B, W] sequence log-probabilities (-inf for empty slots)
+    # per-step attention records (collect_attention): dicts with
+    #   step, weights [B, N] (beam-probability-weighted, head-averaged), beam_weights [B, W_t],
+    #   per_beam [B, W_t, N] (head-averaged)
+    attention: list = field(default_factory=list)
+
+
+def _log_softmax_masked(logits: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """log_softmax over the valid codes only; all -inf for a row without any valid code."""
+    logits = logits.float().masked_fill(~valid, NEG_INF)
+    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+    return logits - torch.nan_to_num(lse, neginf=0.0)
+
+
+def _beam_weights(log_probs: torch.Tensor) -> torch.Tensor:
+    """w_b = p_b / sum_j p_j over a user's beams (dead beams get 0)."""
+    w = torch.softmax(log_probs, dim=1)
+    return torch.nan_to_num(w, nan=0.0)
+
+
+def _gather_beams(x: torch.Tensor, parent: torch.Tensor) -> torch.Tensor:
+    """x [B, W_old, ...], parent [B, W_new] -> [B, W_new, ...]."""
+    idx = parent.reshape(*parent.shape, *([1] * (x.dim() - 2))).expand(*parent.shape, *x.shape[2:])
+    return torch.gather(x, 1, idx)
+
+
+@torch.no_grad()
+def generate(decoder, codebook, states: torch.Tensor, lengths: torch.Tensor, options: DecodeOptions) -> BeamResult:
+    """states [B, N, D] history states (left-aligned), lengths [B] (>= 1) -> top-W items per user."""
+    if tuple(decoder.sizes) != codebook.codebook_sizes:
+        raise ValueError(f"decoder code sizes {decoder.sizes} != codebook sizes {codebook.codebook_sizes}")
+    mode, s, W = options.mode, options.selection_step, options.beam_width
+    if options.collect_attention and mode != "full":
+        raise ValueError("collect_attention needs mode='full' (the statistics are over full attention)")
+    B, N, _ = states.shape
+    T = decoder.num_steps
+    dev = states.device
+    lengths = lengths.to(dev).long()
+    K, V = decoder.project_history(states)  # [T, B, N, H, dh], once per request
+    user_state = states[torch.arange(B, device=dev), (lengths - 1).clamp_min(0)]  # [B, D] last state
+
+    # one start beam per user
+    prefix = torch.zeros(B, 1, dtype=torch.long, device=dev)  # level-t prefix ids (-1 = dead)
+    beam_lp = torch.zeros(B, 1, device=dev)
+    prefix_emb = torch.zeros(B, 1, decoder.d_model, device=dev, dtype=states.dtype)
+    codes = torch.zeros(B, 1, 0, dtype=torch.long, device=dev)
+    records = []
+    kept_k = kept_v = kept_len = None  # PFA: gathered K/V of later steps [B, k, H, dh], [B]
+    beam_order = beam_kept_len = None  # pfa_per_beam: [B, W, k], [B, W]
+
+    for t in range(T):
+        x, q = decoder.query(user_state, prefix_emb, t)  # [B, Wt, D], [B, Wt, H, dh]
+        Wt = q.shape[1]
+        if mode == "full" or t < s:
+            if options.collect_attention:
+                probs = ops.attention_probs(q, K[t], lengths)  # [B, Wt, H, N]
+                attn = torch.einsum("bwhn,bnhd->bwhd", probs, V[t])
+                w = _beam_weights(beam_lp)
+                per_beam = probs.mean(2)
+                records.append(
+                    dict(step=t, weights=torch.einsum("bw,bwn->bn", w, per_beam), beam_weights=w, per_beam=per_beam)
+                )
+            else:
+                attn = ops.decode_attention(q, K[t], V[t], lengths)
+        elif mode == "pfa":
+            if t == s:
+                # one shared ranking from the beams' pooled weights; this step's output reuses them
+                attn, order, kept_len = ops.pfa_select(q, K[t], V[t], lengths, _beam_weights(beam_lp), options.k)
+                later = range(t + 1, T)
+                if decoder.shared_kv_projection:  # one K/V for every step: gather it once
+                    gk, gv = ops.gather_rows(K[t], order), ops.gather_rows(V[t], order)
+                    kept_k = {u: gk for u in later}
+                    kept_v = {u: gv for u in later}
+                else:
+                    kept_k = {u: ops.gather_rows(K[u], order) for u in later}
+                    kept_v = {u: ops.gather_rows(V[u], order) for u in later}
+            else:
+                kt = options.budget(t)  # a prefix of the importance-sorted block
+                attn = ops.decode_attention(
+                    q, kept_k[t][:, :kt], kept_v[t][:, :kt], kept_len.clamp(max=kt)
+                )
+        elif mode == "pfa_per_beam":
+            H, dh = q.shape[2], q.shape[3]
+            qb = q.reshape(B * Wt, 1, H, dh)  # every beam is its own "user"
+            if t == s:
+                kb = K[t][:, None].expand(B, Wt, N, H, dh).reshape(B * Wt, N, H, dh)
+                vb = V[t][:, None].expand(B, Wt, N, H, dh).reshape(B * Wt, N, H, dh)
+                lb = lengths[:, None].expand(B, Wt).reshape(-1)
+                ones = torch.ones(B * Wt, 1, device=dev, dtype=q.dtype)
+                attn, order, kl = ops.pfa_select(qb, kb, vb, lb, ones, options.k)
+                beam_order, beam_kept_len = order.view(B, Wt, -1), kl.view(B, Wt)
+            else:
+                kt = min(options.budget(t), beam_order.shape[2])
+                rows = beam_order[:, :, :kt].reshape(B, Wt * kt)  # each beam's own prefix
+                kb = ops.gather_rows(K[t], rows).view(B * Wt, kt, H, dh)
+                vb = ops.gather_rows(V[t], rows).view(B * Wt, kt, H, dh)
+                attn = ops.decode_attention(qb, kb, vb, beam_kept_len.clamp(max=kt).reshape(-1))
+            attn = attn.view(B, Wt, H, dh)
+        elif mode == "dynamic_topk":
+            attn = ops.dynamic_topk_attention(q, K[t], V[t], lengths, options.budget(t))
+        else:
+            raise ValueError(f"unknown mode {mode!r}")
+
+        logits = decoder.head(x, attn, t)  # [B, Wt, C_t]
+        C = logits.shape[-1]
+        step_lp = _log_softmax_masked(logits, codebook.valid_mask(prefix, t))
+        scores = (beam_lp[:, :, None] + step_lp).reshape(B, Wt * C)
+        beam_lp, idx = torch.topk(scores, min(W, Wt * C), dim=1)  # sorted, best first
+        parent, code = idx // C, idx % C
+        alive = beam_lp > NEG_INF
+        prefix = codebook.advance(torch.gather(prefix, 1, parent), code, t)
+        prefix = torch.where(alive, prefix, torch.full_like(prefix, -1))
+        code = torch.where(alive, code, torch.full_like(code, -1))
+        codes = torch.cat([_gather_beams(codes, parent), code[:, :, None]], dim=2)
+        if t + 1 < T:  # reorder per-beam state by parent
+            prefix_emb = _gather_beams(prefix_emb, parent) + decoder.code_embedding(code, t)
+            if beam_order is not None:
+                beam_order = _gather_beams(beam_order, parent)
+                beam_kept_len = torch.gather(beam_kept_len, 1, parent)
+
+    items = codebook.items_of(prefix)
+    codes = codes.masked_fill((beam_lp == NEG_INF)[:, :, None], -1)  # dead beams name no item
+    if items.shape[1] < W:  # fewer candidates than beams (tiny codebooks)
+        pad = W - items.shape[1]
+        items = torch.cat([items, items.new_zeros(B, pad)], 1)
+        codes = torch.cat([codes, codes.new_full((B, pad, T), -1)], 1)
+        beam_lp = torch.cat([beam_lp, beam_lp.new_full((B, pad), NEG_INF)], 1)
+    return BeamResult(item_ids=items, codes=codes, log_probs=beam_lp, attention=records)

@@ -1,0 +1,117 @@
+"""Semantic-ID decoder (seed 000): beams query the user's history with softmax cross-attention.
+
+Every decoding step t = 0..3 has its own K/V projection of the history states (one shared
+pair when cfg.shared_kv_projection), computed once before decoding. The query of a beam at step
+t comes from the user's last history state, the embeddings of the codes generated so far and a
+step embedding; the attention output goes through a head to logits over the C_t codes of level t.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class SemanticIdDecoder(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.sizes = tuple(int(c) for c in cfg.codebook_sizes)
+        self.num_steps = len(self.sizes)
+        d, h = cfg.d_model, cfg.decoder_heads
+        if d % h:
+            raise ValueError(f"d_model {d} must be divisible by decoder_heads {h}")
+        self.d_model, self.num_heads, self.head_dim = d, h, d // h
+        self.shared_kv_projection = bool(cfg.shared_kv_projection)
+        num_kv = 1 if self.shared_kv_projection else self.num_steps
+        self.kv_proj = nn.ModuleList(nn.Linear(d, 2 * d) for _ in range(num_kv))
+        # codes of levels 0..T-2 feed later queries; one table per level
+        self.code_emb = nn.ModuleList(nn.Embedding(c, d) for c in self.sizes[:-1])
+        self.step_emb = nn.Embedding(self.num_steps, d)
+        self.q_norm = nn.LayerNorm(d)
+        self.q_proj = nn.ModuleList(nn.Linear(d, d) for _ in range(self.num_steps))
+        self.o_proj = nn.ModuleList(nn.Linear(d, d) for _ in range(self.num_steps))
+        self.mlp_norm = nn.ModuleList(nn.LayerNorm(d) for _ in range(self.num_steps))
+        self.mlp = nn.ModuleList(
+            nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Dropout(cfg.dropout), nn.Linear(2 * d, d))
+            for _ in range(self.num_steps)
+        )
+        self.out_norm = nn.ModuleList(nn.LayerNorm(d) for _ in range(self.num_steps))
+        self.out = nn.ModuleList(nn.Linear(d, c) for c in self.sizes)
+        for emb in self.code_emb:
+            nn.init.normal_(emb.weight, std=0.02)
+        nn.init.normal_(self.step_emb.weight, std=0.02)
+
+    # ---- history side: computed once per request --------------------------------------------
+    def project_history(self, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """states [B, N, D] -> K, V [T, B, N, H, dh]: one projection per decoding step (a single
+        one broadcast over the steps when shared)."""
+        B, N, _ = states.shape
+        # all steps' projections as one matmul: [B, N, P * 2D], P = 1 (shared) or T
+        weight = torch.cat([p.weight for p in self.kv_proj])
+        bias = torch.cat([p.bias for p in self.kv_proj])
+        kv = F.linear(states, weight, bias).view(B, N, len(self.kv_proj), 2, self.num_heads, self.head_dim)
+        kv = kv.permute(3, 2, 0, 1, 4, 5)  # [2, P, B, N, H, dh]
+        k, v = kv[0].contiguous(), kv[1].contiguous()  # each step reads its block contiguously
+        if self.shared_kv_projection:
+            shape = (self.num_steps, B, N, self.num_heads, self.head_dim)
+            k, v = k.expand(shape), v.expand(shape)
+        return k, v
+
+    # ---- query side ----------------------------------------------------------------------------
+    def code_embedding(self, codes: torch.Tensor, level: int) -> torch.Tensor:
+        """codes [...] of level `level` -> [..., D] (codes < 0 embed to zero)."""
+        e = self.code_emb[level](codes.clamp_min(0))
+        return e * (codes >= 0)[..., None].to(e.dtype)
+
+    def query(self, user_state: torch.Tensor, prefix_emb: torch.Tensor, step: int):
+        """user_state [B, D] or [B, M, D] (broadcast over beams), prefix_emb [B, M, D] = sum of the
+        embeddings of the codes generated so far -> (x [B, M, D] query input, q [B, M, H, dh])."""
+        if user_state.dim() == 2:
+            user_state = user_state[:, None, :]
+        x = user_state + prefix_emb + self.step_emb.weight[step]
+        q = self.q_proj[step](self.q_norm(x))
+        return x, q.view(*q.shape[:-1], self.num_heads, self.head_dim)
+
+    def head(self, x: torch.Tensor, attn: torch.Tensor, step: int) -> torch.Tensor:
+        """x [B, M, D] query input, attn [B, M, H, dh] attention output -> logits [B, M, C_t]."""
+        z = x + self.o_proj[step](attn.reshape(*attn.shape[:-2], self.d_model))
+        z = z + self.mlp[step](self.mlp_norm[step](z))
+        return self.out[step](self.out_norm[step](z))
+
+    # ---- training: teacher forcing at every history position -------------------------------------
+    def training_logits(
+        self, states: torch.Tensor, lengths: torch.Tensor, target_codes: torch.Tensor
+    ) -> list[torch.Tensor]:
+        """states [B, N, D], lengths [B], target_codes [B, N, 4] (codes of the item following
+        each position; -1 where none) -> [logits [B, N, C_t] for t = 0..3].
+
+        The query at position i uses h_i as its user state and the target's first t codes as its
+        prefix, and attends (softmax, causal) to history rows j <= i. Positions past lengths[b]
+        produce values the loss must ignore.
+        """
+        B, N, _ = states.shape
+        K, V = self.project_history(states)  # [T, B, N, H, dh]
+        causal = torch.ones(N, N, dtype=torch.bool, device=states.device).tril()  # [i, j]: j <= i
+        scale = self.head_dim**-0.5
+        prefix = torch.zeros_like(states)
+        out = []
+        for t in range(self.num_steps):
+            x, q = self.query(states, prefix, t)  # [B, N, D], [B, N, H, dh]
+            logits = torch.einsum("bihd,bjhd->bhij", q, K[t]) * scale
+            probs = torch.softmax(logits.masked_fill(~causal, float("-inf")), dim=-1)
+            attn = torch.einsum("bhij,bjhd->bihd", probs, V[t])
+            out.append(self.head(x, attn, t))
+            if t + 1 < self.num_steps:
+                prefix = prefix + self.code_embedding(target_codes[..., t], t)
+        return out
+
+    def training_loss(
+        self, states: torch.Tensor, lengths: torch.Tensor, target_codes: torch.Tensor
+    ) -> torch.Tensor:
+        """Mean over valid positions (target code >= 0) and steps of the code cross-entropy."""
+        logits = self.training_logits(states, lengths, target_codes)
+        losses = [
+            F.cross_entropy(lg.reshape(-1, lg.shape[-1]), target_codes[..., t].reshape(-1), ignore_index=-1)
+            for t, lg in enumerate(logits)
+        ]
+        return torch.stack(losses).mean()

@@ -1,0 +1,364 @@
+"""Semantic IDs: every item gets 4 codes (3 residual k-means levels + 1 collision code), and a
+vectorized table of valid prefixes so constrained decoding only ever emits items that exist.
+
+Item embeddings come from text where the data has it (TF-IDF + truncated SVD), otherwise from
+collaborative signal (windowed item co-occurrence, PPMI, truncated SVD), plus attribute one-hots
+where available.
+"""
+from __future__ import annotations
+
+import math
+import re
+from collections import Counter
+
+import numpy as np
+import torch
+from torch import nn
+
+NUM_LEVELS = 4  # 3 k-means levels + 1 collision code
+
+
+# --------------------------------------------------------------------------------------------
+# Residual k-means
+# --------------------------------------------------------------------------------------------
+def _sq_dists(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """Squared euclidean distances [n, k] via one matmul: |x|^2 - 2 x.c + |c|^2."""
+    d = (x * x).sum(1, keepdim=True) - 2.0 * x @ c.T + (c * c).sum(1)[None, :]
+    return d.clamp_min_(0.0)
+
+
+def _kmeans_pp_init(x: torch.Tensor, k: int, gen: torch.Generator) -> torch.Tensor:
+    """k-means++ seeding: each new center drawn with probability proportional to D(x)^2."""
+    n = x.shape[0]
+    centers = torch.empty(k, x.shape[1], dtype=x.dtype)
+    centers[0] = x[torch.randint(n, (1,), generator=gen)]
+    d2 = _sq_dists(x, centers[:1]).squeeze(1)
+    for j in range(1, k):
+        total = d2.sum()
+        if total <= 0:  # every point already coincides with a center: pick uniformly
+            idx = torch.randint(n, (1,), generator=gen)
+        else:
+            idx = torch.multinomial(d2 / total, 1, generator=gen)
+        centers[j] = x[idx]
+        d2 = torch.minimum(d2, _sq_dists(x, centers[j : j + 1]).squeeze(1))
+    return centers
+
+
+def kmeans(x: torch.Tensor, k: int, iters: int = 25, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lloyd's k-means with k-means++ seeding. x [n, D] -> (assignments [n], centers [k', D]),
+    k' = min(k, n). An empty cluster is re-seeded with the point farthest from its center."""
+    x = x.float()
+    n = x.shape[0]
+    k = max(1, min(k, n))
+    gen = torch.Generator().manual_seed(seed)
+    centers = _kmeans_pp_init(x, k, gen)
+    assign = torch.zeros(n, dtype=torch.long)
+    for _ in range(iters):
+        d = _sq_dists(x, centers)
+        dmin, assign = d.min(1)
+        counts = torch.bincount(assign, minlength=k)
+        sums = torch.zeros_like(centers).index_add_(0, assign, x)
+        new = sums / counts.clamp_min(1)[:, None].to(x.dtype)
+        empty = counts == 0
+        if empty.any():
+            # reseed empty clusters on the worst-fit points (distinct points for distinct clusters)
+            far = torch.topk(dmin, int(empty.sum()), sorted=True).indices
+            new[empty] = x[far]
+        if torch.allclose(new, centers):
+            centers = new
+            break
+        centers = new
+    assign = _sq_dists(x, centers).argmin(1)
+    return assign, centers
+
+
+def residual_kmeans(
+    x: torch.Tensor, sizes=(256, 256, 256), iters: int = 25, seed: int = 0
+) -> torch.Tensor:
+    """Residual quantization: level l clusters the residual x - sum_{m<l} center_m(x).
+
+    x [I, D] -> codes [I, len(sizes)] (level l codes lie in 0..min(sizes[l], I)-1).
+    """
+    residual = x.float().clone()
+    codes = []
+    for level, size in enumerate(sizes):
+        assign, centers = kmeans(residual, size, iters=iters, seed=seed + level)
+        codes.append(assign)
+        residual = residual - centers[assign]
+    return torch.stack(codes, dim=1)
+
+
+def assign_collision_codes(codes3: torch.Tensor) -> torch.Tensor:
+    """Append a last code = rank of the item among the items sharing its first codes.
+
+    codes3 [I, L] -> codes [I, L+1], every row unique. Vectorized: lexicographic sort, then the
+    position inside each run of equal keys.
+    """
+    codes3 = codes3.long()
+    n = codes3.shape[0]
+    if n == 0:
+        return torch.zeros(0, codes3.shape[1] + 1, dtype=torch.long)
+    # one int64 key per row (mixed radix); stable sort keeps item order inside a group
+    radix = codes3.max(0).values + 1
+    key = torch.zeros(n, dtype=torch.long)
+    for level in range(codes3.shape[1]):
+        key = key * radix[level] + codes3[:, level]
+    order = torch.sort(key, stable=True).indices
+    sorted_key = key[order]
+    pos = torch.arange(n)
+    new_group = torch.ones(n, dtype=torch.bool)
+    new_group[1:] = sorted_key[1:] != sorted_key[:-1]
+    group_start = torch.cummax(torch.where(new_group, pos, torch.zeros_like(pos)), 0).values
+    rank = torch.empty(n, dtype=torch.long)
+    rank[order] = pos - group_start
+    return torch.cat([codes3, rank[:, None]], dim=1)
+
+
+# --------------------------------------------------------------------------------------------
+# Item embeddings
+# --------------------------------------------------------------------------------------------
+def _truncated_svd(m: torch.Tensor, dim: int, seed: int = 0) -> torch.Tensor:
+    """Rows of m (dense or sparse COO) -> U S [n, dim] (zero-padded when rank < dim)."""
+    n, f = m.shape
+    q = min(dim, n, f)
+    out = torch.zeros(n, dim)
+    if q == 0:
+        return out
+    torch.manual_seed(seed)  # svd_lowrank draws a random test matrix
+    u, s, _ = torch.svd_lowrank(m, q=q, niter=4)
+    out[:, :q] = u * s[None, :]
+    return out
+
+
+def _sparse(indices: torch.Tensor, values: torch.Tensor, shape) -> torch.Tensor:
+    """Coalesced sparse COO matrix (duplicate entries summed)."""
+    return torch.sparse_coo_tensor(indices, values, shape, check_invariants=True).coalesce()
+
+
+_WORD = re.compile(r"[a-z0-9]+")
+
+
+def text_embeddings(texts: list[str], dim: int = 64, seed: int = 0) -> torch.Tensor:
+    """TF-IDF over lower-cased words (L2-normalized rows) reduced by truncated SVD -> [n, dim]."""
+    docs = [_WORD.findall((t or "").lower()) for t in texts]
+    vocab: dict[str, int] = {}
+    rows, cols, vals = [], [], []
+    for r, words in enumerate(docs):
+        for w, c in Counter(words).items():
+            rows.append(r)
+            cols.append(vocab.setdefault(w, len(vocab)))
+            vals.append(c)
+    n = len(texts)
+    if not vocab:
+        return torch.zeros(n, dim)
+    rows_t, cols_t = torch.tensor(rows), torch.tensor(cols)
+    tf = torch.tensor(vals, dtype=torch.float32)
+    df = torch.bincount(cols_t, minlength=len(vocab)).float()
+    idf = torch.log((1.0 + n) / (1.0 + df)) + 1.0  # smoothed idf
+    val = (1.0 + torch.log(tf)) * idf[cols_t]  # sublinear tf
+    norm = torch.zeros(n).index_add_(0, rows_t, val * val).sqrt().clamp_min(1e-12)
+    val = val / norm[rows_t]
+    m = _sparse(torch.stack([rows_t, cols_t]), val, (n, len(vocab)))
+    return _truncated_svd(m, dim, seed)
+
+
+def collaborative_embeddings(
+    sequences, num_items: int, dim: int = 64, window: int = 5, seed: int = 0
+) -> torch.Tensor:
+    """Item co-occurrence within `window` events of the same user, PPMI, truncated SVD.
+
+    sequences: anything with CSR `offsets` [U+1] and `items` [E] (item indices 1..num_items).
+    Returns [num_items, dim] for items 1..num_items (row i-1 = item i).
+    """
+    offsets = torch.as_tensor(np.asarray(sequences.offsets), dtype=torch.long)
+    items = torch.as_tensor(np.asarray(sequences.items), dtype=torch.long) - 1  # 0-based
+    e = items.numel()
+    user = torch.repeat_interleave(torch.arange(offsets.numel() - 1), offsets[1:] - offsets[:-1])
+    src, dst = [], []
+    for d in range(1, window + 1):  # loop over window offsets only
+        if d >= e:
+            break
+        same = user[d:] == user[:-d]
+        src.append(items[:-d][same])
+        dst.append(items[d:][same])
+    if not src or sum(s.numel() for s in src) == 0:
+        return torch.zeros(num_items, dim)
+    a, b = torch.cat(src), torch.cat(dst)
+    a, b = torch.cat([a, b]), torch.cat([b, a])  # symmetric counts
+    counts = _sparse(torch.stack([a, b]), torch.ones(a.numel()), (num_items, num_items))
+    (ri, ci), c = counts.indices(), counts.values()
+    row_sum = torch.zeros(num_items).index_add_(0, ri, c)
+    total = c.sum()
+    pmi = torch.log(c * total / (row_sum[ri] * row_sum[ci]))
+    keep = pmi > 0
+    ppmi = _sparse(torch.stack([ri[keep], ci[keep]]), pmi[keep], (num_items, num_items))
+    return _truncated_svd(ppmi, dim, seed)
+
+
+def attribute_features(item_attributes: dict, num_items: int, dim: int = 64, seed: int = 0) -> torch.Tensor:
+    """Multi-hot attribute vectors (L2-normalized), reduced to `dim` columns by truncated SVD
+    when there are more attributes than that. Returns [num_items, <=dim] for items 1..num_items."""
+    rows, cols = [], []
+    for item, attrs in item_attributes.items():
+        if 1 <= int(item) <= num_items:
+            for a in attrs:
+                rows.append(int(item) - 1)
+                cols.append(int(a))
+    if not rows:
+        return torch.zeros(num_items, 0)
+    rows_t, cols_t = torch.tensor(rows), torch.tensor(cols)
+    _, cols_t = torch.unique(cols_t, return_inverse=True)  # compact attribute ids
+    num_attr = int(cols_t.max()) + 1
+    pairs = torch.unique(rows_t * num_attr + cols_t)  # multi-hot: each (item, attribute) once
+    rows_t, cols_t = pairs // num_attr, pairs % num_attr
+    deg = torch.bincount(rows_t, minlength=num_items).float().sqrt().clamp_min(1e-12)
+    m = _sparse(torch.stack([rows_t, cols_t]), 1.0 / deg[rows_t], (num_items, num_attr))
+    if num_attr <= dim:
+        return m.to_dense()
+    return _truncated_svd(m, dim, seed)
+
+
+def _unit_rows(x: torch.Tensor) -> torch.Tensor:
+    return x / x.norm(dim=1, keepdim=True).clamp_min(1e-12)
+
+
+def build_item_embeddings(
+    data, dim: int = 64, window: int = 5, attribute_weight: float = 0.5, seed: int = 0
+) -> torch.Tensor:
+    """Item embeddings [I, D'] for items 1..I: text when data.item_text exists, otherwise
+    collaborative; attribute features (weighted) appended when data.item_attributes exists.
+
+    `data` is any object with offsets, items, num_items, item_text, item_attributes.
+    A tiny seeded jitter separates items with identical embeddings (e.g. items never seen
+    together with others) so k-means does not pile them all into one collision group.
+    """
+    num_items = int(data.num_items)
+    item_text = getattr(data, "item_text", None)
+    if item_text:
+        texts = [item_text.get(i, "") or "" for i in range(1, num_items + 1)]
+        emb = _unit_rows(text_embeddings(texts, dim, seed))
+    else:
+        emb = _unit_rows(collaborative_embeddings(data, num_items, dim, window, seed))
+    attrs = getattr(data, "item_attributes", None)
+    if attrs:
+        feats = _unit_rows(attribute_features(attrs, num_items, dim, seed))
+        emb = torch.cat([emb, attribute_weight * feats], dim=1)
+    gen = torch.Generator().manual_seed(seed)
+    return emb + 1e-3 * torch.randn(emb.shape, generator=gen) / math.sqrt(emb.shape[1])
+
+
+# --------------------------------------------------------------------------------------------
+# Codebook with the valid-prefix table
+# --------------------------------------------------------------------------------------------
+class SemanticIdCodebook(nn.Module):
+    """Codes of every item and the trie of valid prefixes as dense lookup tables.
+
+    Buffers (saved with the checkpoint; shapes follow the loaded state):
+      codes      [I+1, 4]  codes of item i in row i; row 0 (padding) is all -1, never valid
+      sizes      [4]       C_0..C_3 (C_3 = largest collision group)
+      child_t    [P_t, C_t] (prefix id at level t, code) -> prefix id at level t+1, or -1;
+                 level 0 has the single root prefix 0, P_4 = I
+      leaf_item  [P_4]     final prefix id -> item index
+    """
+
+    def __init__(self, codes: torch.Tensor | None = None):
+        """codes [I, 4] of items 1..I (unique rows). None makes an empty placeholder that a
+        state dict loads into."""
+        super().__init__()
+        if codes is None:
+            codes = torch.zeros(0, NUM_LEVELS, dtype=torch.long)
+        codes = torch.as_tensor(codes, dtype=torch.long)
+        if codes.dim() != 2 or codes.shape[1] != NUM_LEVELS:
+            raise ValueError(f"codes must be [num_items, {NUM_LEVELS}], got {tuple(codes.shape)}")
+        if codes.numel() and codes.min() < 0:
+            raise ValueError("codes must be >= 0")
+        n = codes.shape[0]
+        sizes = codes.max(0).values + 1 if n else torch.ones(NUM_LEVELS, dtype=torch.long)
+        self.register_buffer("codes", torch.cat([torch.full((1, NUM_LEVELS), -1), codes]))
+        self.register_buffer("sizes", sizes.clone())
+        prefix = torch.zeros(n, dtype=torch.long)  # every item starts at the root
+        num_prefixes = 1
+        for t in range(NUM_LEVELS):
+            c = int(sizes[t])
+            key = prefix * c + codes[:, t]
+            uniq, inverse = torch.unique(key, return_inverse=True)  # ids in key order
+            child = torch.full((num_prefixes, c), -1, dtype=torch.long)
+            child[uniq // c, uniq % c] = torch.arange(uniq.numel())
+            self.register_buffer(f"child_{t}", child)
+            prefix, num_prefixes = inverse, uniq.numel()
+        if num_prefixes != n:
+            raise ValueError(f"semantic IDs are not unique: {n} items but {num_prefixes} distinct IDs")
+        leaf = torch.zeros(num_prefixes, dtype=torch.long)
+        leaf[prefix] = torch.arange(1, n + 1)
+        self.register_buffer("leaf_item", leaf)
+
+    # ---- construction -----------------------------------------------------------------------
+    @classmethod
+    def from_codes(cls, codes: torch.Tensor) -> "SemanticIdCodebook":
+        """codes [I, 4] (items 1..I) or [I+1, 4] with a padding row 0 of -1."""
+        codes = torch.as_tensor(codes, dtype=torch.long)
+        if codes.shape[0] and bool((codes[0] < 0).all()):
+            codes = codes[1:]
+        return cls(codes)
+
+    @classmethod
+    def build(
+        cls, data, cfg=None, dim: int = 64, iters: int = 25, seed: int = 0, embeddings: torch.Tensor | None = None
+    ) -> "SemanticIdCodebook":
+        """Embeddings of the items of `data` -> 3 residual k-means levels (sizes from
+        cfg.codebook_sizes[:3], default 256 each) -> collision code -> codebook."""
+        sizes = tuple(cfg.codebook_sizes[:3]) if cfg is not None else (256, 256, 256)
+        if embeddings is None:
+            embeddings = build_item_embeddings(data, dim=dim, seed=seed)
+        codes3 = residual_kmeans(embeddings, sizes, iters=iters, seed=seed)
+        return cls(assign_collision_codes(codes3))
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # table shapes depend on the data: adopt the stored shapes before the normal copy
+        for name in list(self._buffers):
+            key = prefix + name
+            if key in state_dict and state_dict[key].shape != self._buffers[name].shape:
+                self._buffers[name] = torch.empty_like(state_dict[key], device=self._buffers[name].device)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    # ---- queries ----------------------------------------------------------------------------
+    @property
+    def num_items(self) -> int:
+        return self.codes.shape[0] - 1
+
+    @property
+    def codebook_sizes(self) -> tuple:
+        return tuple(int(s) for s in self.sizes)
+
+    def child(self, level: int) -> torch.Tensor:
+        return getattr(self, f"child_{level}")
+
+    def valid_mask(self, prefix_ids: torch.Tensor, level: int) -> torch.Tensor:
+        """prefix_ids [...] (level-t prefix ids, -1 = dead) -> bool [..., C_t]: codes that
+        continue some existing item."""
+        table = self.child(level)
+        mask = table[prefix_ids.clamp_min(0)] >= 0
+        return mask & (prefix_ids >= 0)[..., None]
+
+    def advance(self, prefix_ids: torch.Tensor, codes: torch.Tensor, level: int) -> torch.Tensor:
+        """Level-t prefix ids and the next codes -> level-(t+1) prefix ids (-1 if invalid)."""
+        table = self.child(level)
+        ok = (prefix_ids >= 0) & (codes >= 0) & (codes < table.shape[1])
+        nxt = table[prefix_ids.clamp_min(0), codes.clamp(0, table.shape[1] - 1)]
+        return torch.where(ok, nxt, torch.full_like(nxt, -1))
+
+    def items_of(self, final_prefix_ids: torch.Tensor) -> torch.Tensor:
+        """Final (level-4) prefix ids -> item indices (0 for -1)."""
+        items = self.leaf_item[final_prefix_ids.clamp_min(0)]
+        return torch.where(final_prefix_ids >= 0, items, torch.zeros_like(items))
+
+    def prefix_of_codes(self, codes: torch.Tensor) -> torch.Tensor:
+        """Codes [..., 4] -> final prefix ids (-1 where the codes are not an item)."""
+        p = torch.zeros(codes.shape[:-1], dtype=torch.long, device=codes.device)
+        for t in range(NUM_LEVELS):
+            p = self.advance(p, codes[..., t], t)
+        return p
+
+    def items_of_codes(self, codes: torch.Tensor) -> torch.Tensor:
+        """Codes [..., 4] -> item indices (0 where the codes are not an item)."""
+        return self.items_of(self.prefix_of_codes(codes))

@@ -1,0 +1,71 @@
+"""Result files: every number the README quotes comes from one of these JSON files, which
+record the command that produced them, the date, the machine and the git commit."""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def git_commit() -> str:
+    try:
+        sha = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT, capture_output=True, text=True
+        ).stdout.strip()
+        return sha + ("+uncommitted" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def machine() -> dict:
+    import torch
+
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return {
+        "cpu_cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "gpu": gpu,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
+
+
+def command_line() -> str:
+    return " ".join([Path(sys.executable).name, *sys.argv]) if sys.argv else ""
+
+
+def write_result(path, rows: list[dict], *, command: str | None = None, **extra) -> dict:
+    """Write {command, date, machine, commit, rows, ...} to `path` (JSON) and return it."""
+    blob = {
+        "command": command or command_line(),
+        "date": _dt.datetime.now().isoformat(timespec="seconds"),
+        "machine": machine(),
+        "commit": git_commit(),
+        **extra,
+        "rows": rows,
+    }
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(blob, indent=2, default=float) + "\n")
+    return blob
+
+
+def markdown_table(rows: list[dict], columns: list[str], floatfmt: str = ".4f") -> str:
+    def fmt(v):
+        if isinstance(v, float):
+            return format(v, floatfmt)
+        return "" if v is None else str(v)
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(fmt(r.get(c)) for c in columns) + " |" for r in rows]
+    return "\n".join(lines)

@@ -1,0 +1,339 @@
+"""Semantic-ID decoder and constrained beam search: validity, PFA against a slow reference,
+mode equivalences, attention statistics."""
+import math
+
+import pytest
+import torch
+
+from backend_src import ops
+from backend_src.config import DecodeOptions, ModelConfig
+from backend_src.decoding import attention_stats, generate, plot_attention_stats
+from backend_src.decoding.attention_stats import masked_spearman
+from backend_src.model.decoder import SemanticIdDecoder
+from backend_src.model.semantic_ids import SemanticIdCodebook, assign_collision_codes
+
+D, H = 16, 2
+
+
+def _codebook(n=60, sizes=(4, 3, 3), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    codes3 = torch.stack([torch.randint(c, (n,), generator=g) for c in sizes], 1)
+    return SemanticIdCodebook.from_codes(assign_collision_codes(codes3))
+
+
+def _decoder(cb, seed=0, shared=False):
+    torch.manual_seed(seed)
+    cfg = ModelConfig(num_items=cb.num_items, d_model=D, decoder_heads=H, codebook_sizes=cb.codebook_sizes,
+                      shared_kv_projection=shared)
+    dec = SemanticIdDecoder(cfg).eval()
+    with torch.no_grad():  # sharper attention and logits than the default init, so selection matters
+        for p in dec.kv_proj:
+            p.weight.mul_(3.0)
+        for p in dec.code_emb:
+            p.weight.normal_(0, 1.0)
+        for p in dec.out:
+            p.weight.mul_(4.0)
+    return dec
+
+
+def _history(B=3, N=12, seed=0, lengths=None):
+    g = torch.Generator().manual_seed(seed)
+    states = torch.randn(B, N, D, generator=g)
+    if lengths is None:
+        lengths = torch.randint(1, N + 1, (B,), generator=g)
+        lengths[0] = N
+    return states, torch.as_tensor(lengths)
+
+
+# ---------------------------------------------------------------------------------------------
+# constrained decoding
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["full", "pfa", "pfa_per_beam", "dynamic_topk"])
+def test_only_real_items(mode):
+    cb = _codebook()
+    dec = _decoder(cb)
+    states, lengths = _history()
+    res = generate(dec, cb, states, lengths, DecodeOptions(mode=mode, beam_width=8, k=5, r=0.5))
+    assert res.item_ids.shape == (3, 8) and res.codes.shape == (3, 8, 4)
+    assert (res.item_ids > 0).all()
+    assert torch.equal(cb.codes[res.item_ids], res.codes)
+    assert (res.log_probs[:, :-1] >= res.log_probs[:, 1:]).all()
+    for row in res.item_ids.tolist():
+        assert len(set(row)) == len(row)
+
+
+def test_wide_beam_returns_every_item_once():
+    cb = _codebook(n=40)
+    dec = _decoder(cb)
+    states, lengths = _history()
+    res = generate(dec, cb, states, lengths, DecodeOptions(mode="full", beam_width=50))
+    for b in range(3):
+        got = res.item_ids[b][res.item_ids[b] > 0]
+        assert sorted(got.tolist()) == list(range(1, 41))
+        assert (res.item_ids[b, 40:] == 0).all() and torch.isinf(res.log_probs[b, 40:]).all()
+        assert (res.codes[b, 40:] == -1).all()
+        # constrained steps are normalized over valid codes: the item distribution sums to 1
+        assert math.isclose(res.log_probs[b, :40].exp().sum().item(), 1.0, rel_tol=1e-4)
+
+
+def test_decoder_codebook_size_mismatch():
+    cb = _codebook()
+    other = _codebook(sizes=(5, 3, 3), seed=1)
+    with pytest.raises(ValueError):
+        generate(_decoder(other), cb, *_history(), DecodeOptions(mode="full", beam_width=4))
+
+
+# ---------------------------------------------------------------------------------------------
+# PFA
+# ---------------------------------------------------------------------------------------------
+def test_budget_schedule():
+    opt = DecodeOptions(k=256, r=0.5, selection_step=1)
+    assert [opt.budget(t) for t in (1, 2, 3)] == [256, 128, 64]
+    opt = DecodeOptions(k=5, r=0.3, selection_step=1)
+    assert [opt.budget(t) for t in (1, 2, 3)] == [max(1, math.ceil(5 * 0.3 ** (t - 1))) for t in (1, 2, 3)]
+    assert opt.budget(3) == 1
+
+
+def test_pfa_reads_budget_prefixes(monkeypatch):
+    """Steps after selection read only the first k_t rows of the gathered block."""
+    cb = _codebook()
+    dec = _decoder(cb)
+    states, lengths = _history(B=3, N=12, lengths=[12, 7, 2])
+    seen = []
+    real = ops.decode_attention
+
+    def spy(q, k, v, lens):
+        seen.append((k.shape[1], lens.tolist()))
+        return real(q, k, v, lens)
+
+    monkeypatch.setattr(ops, "decode_attention", spy)
+    generate(dec, cb, states, lengths, DecodeOptions(mode="pfa", beam_width=6, k=8, r=0.5, selection_step=1))
+    # step 0 full; step 1 = pfa_select; steps 2, 3 read prefixes of 4 and 2 rows
+    assert seen == [(12, [12, 7, 2]), (4, [4, 4, 2]), (2, [2, 2, 2])]
+
+
+def _item_codes(cb):
+    return {tuple(r): i + 1 for i, r in enumerate(cb.codes[1:].tolist())}
+
+
+def _slow_pfa(dec, cb, states, lengths, W, k, r, s):
+    """Loop-based PFA decoding: per user, per beam, per step, written from the paper's formulas."""
+    T = 4
+    K, V = dec.project_history(states)
+    items = _item_codes(cb)
+    prefixes = [set(c[:t] for c in items) for t in range(T + 1)]
+    out_items, out_lp = [], []
+    for b in range(states.shape[0]):
+        L = int(lengths[b])
+        h = states[b, L - 1]
+        beams = [(0.0, ())]  # (log-prob, codes so far)
+        order = None
+        for t in range(T):
+            kt = max(1, math.ceil(k * r ** (t - s)))
+            queries, weights = [], []
+            for lp, codes in beams:
+                emb = torch.zeros(D)
+                for level, c in enumerate(codes):
+                    emb = emb + dec.code_emb[level].weight[c]
+                x, q = dec.query(h[None], emb[None, None], t)  # [1, 1, D], [1, 1, H, dh]
+                a = torch.stack([torch.softmax(K[t, b, :L, hh] @ q[0, 0, hh] / math.sqrt(q.shape[-1]), 0)
+                                 for hh in range(H)])  # [H, L] over the full history
+                queries.append((x, q))
+                weights.append(a)
+            if t == s:
+                z = sum(math.exp(lp) for lp, _ in beams)
+                score = [sum(math.exp(lp) / z * weights[j][:, i].mean().item() for j, (lp, _) in enumerate(beams))
+                         for i in range(L)]
+                order = sorted(range(L), key=lambda i: -score[i])[:k]
+            cands = []
+            for j, (lp, codes) in enumerate(beams):
+                x, q = queries[j]
+                if t < s:
+                    rows, a = list(range(L)), weights[j]
+                elif t == s:  # reuse this step's weights over the kept rows, renormalized
+                    rows = order
+                    a = weights[j][:, rows]
+                    a = a / a.sum(1, keepdim=True)
+                else:  # later steps: softmax over the first k_t kept rows only
+                    rows = order[:kt]
+                    a = torch.stack([torch.softmax(K[t, b, rows, hh] @ q[0, 0, hh] / math.sqrt(q.shape[-1]), 0)
+                                     for hh in range(H)])
+                o = torch.stack([(a[hh][:, None] * V[t, b, rows, hh]).sum(0) for hh in range(H)])  # [H, dh]
+                logits = dec.head(x, o[None, None], t)[0, 0]
+                valid = [c for c in range(logits.shape[0]) if codes + (c,) in prefixes[t + 1]]
+                lse = torch.logsumexp(logits[valid], 0).item()
+                cands += [(lp + logits[c].item() - lse, codes + (c,)) for c in valid]
+            beams = sorted(cands, key=lambda x: -x[0])[:W]
+        out_items.append([items[c] for _, c in beams])
+        out_lp.append([lp for lp, _ in beams])
+    return out_items, out_lp
+
+
+@pytest.mark.parametrize(
+    "seed,s,k,r", [(0, 1, 5, 0.5), (1, 1, 3, 0.3), (2, 0, 6, 0.5), (3, 2, 4, 0.5), (4, 1, 20, 1.0)]
+)
+def test_pfa_matches_slow_reference(seed, s, k, r):
+    cb = _codebook(n=60, seed=seed)
+    dec = _decoder(cb, seed=seed)
+    states, lengths = _history(B=3, N=10, seed=seed)
+    W = 5
+    with torch.no_grad():
+        res = generate(dec, cb, states, lengths, DecodeOptions(mode="pfa", beam_width=W, k=k, r=r, selection_step=s))
+        ref_items, ref_lp = _slow_pfa(dec, cb, states, lengths, W, k, r, s)
+    assert res.item_ids.tolist() == ref_items
+    assert torch.allclose(res.log_probs, torch.tensor(ref_lp), atol=1e-4)
+
+
+def test_pfa_selection_changes_output():
+    """Sanity: with a small budget PFA is not just full attention."""
+    cb = _codebook()
+    dec = _decoder(cb)
+    states, lengths = _history(B=3, N=12, lengths=[12, 12, 12])
+    full = generate(dec, cb, states, lengths, DecodeOptions(mode="full", beam_width=6))
+    pfa = generate(dec, cb, states, lengths, DecodeOptions(mode="pfa", beam_width=6, k=2, r=0.5))
+    assert not torch.allclose(full.log_probs, pfa.log_probs)
+
+
+@pytest.mark.parametrize("s", [0, 1, 2])
+@pytest.mark.parametrize("shared", [False, True])
+def test_all_modes_equal_full_without_pruning(s, shared):
+    cb = _codebook()
+    dec = _decoder(cb, shared=shared)
+    states, lengths = _history(B=4, N=10)
+    full = generate(dec, cb, states, lengths, DecodeOptions(mode="full", beam_width=7))
+    for mode in ("pfa", "pfa_per_beam", "dynamic_topk"):
+        res = generate(dec, cb, states, lengths, DecodeOptions(mode=mode, beam_width=7, k=10, r=1.0, selection_step=s))
+        assert torch.equal(res.item_ids, full.item_ids), mode
+        assert torch.allclose(res.log_probs, full.log_probs, atol=1e-5), mode
+
+
+def test_per_beam_equals_shared_ranking_with_one_beam():
+    cb = _codebook()
+    dec = _decoder(cb)
+    states, lengths = _history(B=3, N=12)
+    a = generate(dec, cb, states, lengths, DecodeOptions(mode="pfa", beam_width=1, k=4, r=0.5))
+    b = generate(dec, cb, states, lengths, DecodeOptions(mode="pfa_per_beam", beam_width=1, k=4, r=0.5))
+    assert torch.equal(a.item_ids, b.item_ids)
+    assert torch.allclose(a.log_probs, b.log_probs, atol=1e-5)
+
+
+def test_shared_kv_projection_is_one_projection():
+    cb = _codebook()
+    dec = _decoder(cb, shared=True)
+    assert len(dec.kv_proj) == 1
+    K, V = dec.project_history(torch.randn(2, 5, D))
+    assert K.shape == (4, 2, 5, H, D // H)
+    assert all(torch.equal(K[0], K[t]) and torch.equal(V[0], V[t]) for t in range(4))
+    K2, _ = _decoder(cb, shared=False).project_history(torch.randn(2, 5, D))
+    assert not torch.allclose(K2[0], K2[1])
+
+
+# ---------------------------------------------------------------------------------------------
+# training path
+# ---------------------------------------------------------------------------------------------
+def test_training_logits_causal_and_consistent_with_decoding():
+    cb = _codebook()
+    dec = _decoder(cb)
+    B, N = 2, 9
+    states, lengths = _history(B=B, N=N, lengths=[9, 6])
+    target = cb.codes[torch.randint(1, cb.num_items + 1, (B, N))]  # [B, N, 4]
+    with torch.no_grad():
+        logits = dec.training_logits(states, lengths, target)
+        assert [lg.shape for lg in logits] == [(B, N, c) for c in cb.codebook_sizes]
+        i = 4
+        changed = states.clone()
+        changed[:, i + 1:] += torch.randn_like(changed[:, i + 1:])
+        other = dec.training_logits(changed, lengths, target)
+        for a, b in zip(logits, other):
+            assert torch.allclose(a[:, : i + 1], b[:, : i + 1], atol=1e-6)
+            assert not torch.allclose(a[:, i + 1:], b[:, i + 1:])
+        # the query at the last position equals a decoding query with the same code prefix
+        K, V = dec.project_history(states)
+        last = lengths - 1
+        for t in range(4):
+            prefix = sum((dec.code_embedding(target[torch.arange(B), last, l], l) for l in range(t)),
+                         torch.zeros(B, D))
+            x, q = dec.query(states[torch.arange(B), last], prefix[:, None], t)
+            dl = dec.head(x, ops.decode_attention(q, K[t], V[t], lengths), t)[:, 0]
+            assert torch.allclose(dl, logits[t][torch.arange(B), last], atol=1e-5)
+    loss = dec.training_loss(states, lengths, target)
+    loss.backward()
+    assert torch.isfinite(loss) and all(p.grad is not None for p in dec.kv_proj.parameters())
+
+
+# ---------------------------------------------------------------------------------------------
+# attention statistics
+# ---------------------------------------------------------------------------------------------
+def _records(weights):
+    return [dict(step=t, weights=w) for t, w in enumerate(weights)]
+
+
+def test_attention_stats_exact_on_constructed_attention():
+    N = 8
+    lengths = torch.tensor([8, 4])
+    uniform = torch.zeros(2, N)
+    uniform[0, :8] = 1 / 8
+    uniform[1, :4] = 1 / 4
+    one_hot = torch.zeros(2, N)
+    one_hot[:, 0] = 1.0  # all mass on the oldest row
+    stats = attention_stats(_records([uniform, one_hot, one_hot, one_hot]), lengths)
+    # top 10%: ceil(0.8) = 1 row of 8 -> 1/8; ceil(0.4) = 1 row of 4 -> 1/4
+    assert stats["top10_share_step0"] == pytest.approx((1 / 8 + 1 / 4) / 2)
+    for t in (1, 2, 3):
+        assert stats[f"top10_share_step{t}"] == pytest.approx(1.0)
+    for t in (2, 3):
+        assert stats[f"kept_top25_share_step{t}"] == pytest.approx(1.0)
+        assert stats[f"reselect_top25_share_step{t}"] == pytest.approx(1.0)
+        assert stats[f"recent25_share_step{t}"] == pytest.approx(0.0)
+        assert stats[f"kept_minus_reselect_step{t}"] == pytest.approx(0.0)
+
+    # rankings: step 2 keeps the step-1 order, step 3 reverses it; mass moves to the recent rows
+    lengths = torch.tensor([8])
+    desc = torch.arange(8, 0, -1.0)[None] / 36
+    asc = torch.arange(1, 9.0)[None] / 36
+    stats = attention_stats(_records([desc, desc, desc, asc]), lengths)
+    assert stats["spearman_step1_vs_step2"] == pytest.approx(1.0)
+    assert stats["spearman_step1_vs_step3"] == pytest.approx(-1.0)
+    assert stats["spearman_top25_step1_vs_step3"] == pytest.approx(-1.0)
+    assert stats["kept_top25_share_step3"] == pytest.approx((1 + 2) / 36)  # rows 0, 1
+    assert stats["recent25_share_step3"] == pytest.approx((7 + 8) / 36)
+    assert stats["reselect_top25_share_step3"] == pytest.approx((7 + 8) / 36)
+    assert stats["top10_share_step0"] == pytest.approx(8 / 36)
+
+
+def test_masked_spearman_matches_formula():
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.rand(5, 20, generator=g), torch.rand(5, 20, generator=g)
+    lengths = torch.tensor([20, 15, 10, 5, 2])
+    mask = torch.arange(20)[None] < lengths[:, None]
+    rho = masked_spearman(x, y, mask)
+    for b in range(5):
+        n = int(lengths[b])
+        rx = x[b, :n].argsort().argsort().double()
+        ry = y[b, :n].argsort().argsort().double()
+        expected = 1 - 6 * ((rx - ry) ** 2).sum() / (n * (n * n - 1))
+        assert rho[b].item() == pytest.approx(expected.item(), abs=1e-9)
+
+
+def test_collect_attention_records_and_plot(tmp_path):
+    cb = _codebook()
+    dec = _decoder(cb)
+    states, lengths = _history(B=3, N=12)
+    res = generate(dec, cb, states, lengths, DecodeOptions(mode="full", beam_width=6, collect_attention=True))
+    plain = generate(dec, cb, states, lengths, DecodeOptions(mode="full", beam_width=6))
+    assert torch.equal(res.item_ids, plain.item_ids)
+    assert [r["step"] for r in res.attention] == [0, 1, 2, 3]
+    for rec in res.attention:
+        w = rec["weights"]
+        assert w.shape == (3, 12)
+        assert torch.allclose(w.sum(1), torch.ones(3), atol=1e-5)
+        beyond = torch.arange(12)[None] >= lengths[:, None]
+        assert (w[beyond] == 0).all()
+        assert torch.allclose(rec["beam_weights"].sum(1), torch.ones(3), atol=1e-5)
+    stats = attention_stats(res.attention, lengths)
+    assert 0 < stats["top10_share_step1"] <= 1
+    path = tmp_path / "stats.png"
+    plot_attention_stats(stats, path)
+    assert path.stat().st_size > 1000
+    with pytest.raises(ValueError):
+        generate(dec, cb, states, lengths, DecodeOptions(mode="pfa", collect_attention=True))
