@@ -1,0 +1,653 @@
+"""Triton-lang kernels for the ops in ``reference.py``: same names, signatures and results.
+
+Every wrapper takes the tensors as the reference does (any strides; fp32, fp16, bf16 on GPUs;
+fp32 accumulation; output in the input dtype) and launches ``@triton.jit`` kernels for the heavy work.
+Torch glue is limited to allocation, a top-k over a small score matrix and masking it.
+Calls needing gradients (the kernels are forward-only), other dtypes (float64) and empty inputs
+are handed to the reference.
+
+Decode attention (seed 000) is one program per (user, head, block of beams): the beams of a user
+share one K/V block, so each key tile is loaded once and multiplied against all beams of the block
+with ``tl.dot``; an online softmax runs over key tiles up to ``lengths[b]`` (the PFA prefix
+budget), so a shorter budget reads fewer rows. HSTU attention (seed 001) is one program per
+(batch, head, block of queries) with the relative position / time bias and the M-FALCON mask
+computed in the kernel.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from backend_src.ops import reference
+
+_LOG2E = 1.4426950408889634
+# finite start for running maxima, so a tile without valid keys rescales by exp2(0) = 1, not NaN
+_NEG_BIG = tl.constexpr(-1.0e30)
+
+
+# --------------------------------------------------------------------------------------------
+# block-size choices (powers of two, at least 16 where a tile feeds tl.dot)
+# --------------------------------------------------------------------------------------------
+def _pow2(x: int, lo: int = 16, hi: int | None = None) -> int:
+    p = max(lo, triton.next_power_of_2(max(int(x), 1)))
+    return min(p, hi) if hi is not None else p
+
+
+def _block_keys(n: int) -> int:
+    """Key tile: half the rows for short histories (so the online softmax sees several tiles), 64 beyond."""
+    return _pow2(triton.next_power_of_2(max(n, 1)) // 2, 16, 64)
+
+
+def _dot_precision(t: torch.Tensor) -> str:
+    # fp32 inputs: exact products (tf32 would lose ~3 digits against the reference)
+    return "ieee" if t.dtype == torch.float32 else "tf32"
+
+
+def _use_reference(*ts: torch.Tensor) -> bool:
+    """Calls the kernels do not serve go to the reference: other dtypes (float64), empty tensors,
+    and calls that need gradients (the kernels are forward-only; training goes through autograd)."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in ts):
+        return True
+    return any(t.dtype not in (torch.float32, torch.float16, torch.bfloat16) or t.numel() == 0 for t in ts)
+
+
+# --------------------------------------------------------------------------------------------
+# shared device helpers
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def _softmax_stats(q, k_base, sk_n, sk_d, offs_d, d_mask, L, qk_scale,
+                   BLOCK_W: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Running max m and sum l of exp2(logits - m) over the first L keys (base-2 logits)."""
+    m = tl.full([BLOCK_W], _NEG_BIG, tl.float32)
+    l = tl.zeros([BLOCK_W], tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+    for start in range(0, L, BLOCK_N):
+        n = start + offs_n
+        n_mask = n < L
+        k = tl.load(k_base + n[:, None] * sk_n + offs_d[None, :] * sk_d,
+                    mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BW, BN]
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        l = l * tl.exp2(m - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), axis=1)
+        m = m_new
+    return m, l
+
+
+# --------------------------------------------------------------------------------------------
+# decode attention: beams of a user over one contiguous (or index-listed) K/V block
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def _decode_attention_kernel(
+    q_ptr, k_ptr, v_ptr, len_ptr, idx_ptr, o_ptr,
+    W, H, N, D, DV,
+    sq_b, sq_w, sq_h, sq_d,
+    sk_b, sk_n, sk_h, sk_d,
+    sv_b, sv_n, sv_h, sv_d,
+    si_b, si_j,
+    so_b, so_w, so_h, so_d,
+    qk_scale,
+    HAS_IDX: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """out[b, w, h] = softmax over rows j < lengths[b] of q.k_j, times v_j.
+
+    HAS_IDX: row j of the block is idx[b, j] (PFA's kept rows of the selection step);
+    otherwise row j itself (the contiguous prefix of later steps)."""
+    pid_bh = tl.program_id(0).to(tl.int64)
+    pid_w = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    offs_w = pid_w * BLOCK_W + tl.arange(0, BLOCK_W)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    offs_n = tl.arange(0, BLOCK_N)
+    w_mask = offs_w < W
+    d_mask = offs_d < D
+    dv_mask = offs_dv < DV
+
+    q = tl.load(q_ptr + b * sq_b + h * sq_h + offs_w[:, None] * sq_w + offs_d[None, :] * sq_d,
+                mask=w_mask[:, None] & d_mask[None, :], other=0.0)
+    L = tl.minimum(tl.load(len_ptr + b), N)
+    k_base = k_ptr + b * sk_b + h * sk_h
+    v_base = v_ptr + b * sv_b + h * sv_h
+
+    m = tl.full([BLOCK_W], _NEG_BIG, tl.float32)
+    l = tl.zeros([BLOCK_W], tl.float32)
+    acc = tl.zeros([BLOCK_W, BLOCK_DV], tl.float32)
+    for start in range(0, L, BLOCK_N):
+        n = start + offs_n
+        n_mask = n < L
+        if HAS_IDX:
+            rows = tl.load(idx_ptr + b * si_b + n * si_j, mask=n_mask, other=0)
+            n_mask = n_mask & (rows >= 0) & (rows < N)
+        else:
+            rows = n
+        k = tl.load(k_base + rows[:, None] * sk_n + offs_d[None, :] * sk_d,
+                    mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BW, BN] base-2 logits
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_base + rows[:, None] * sv_n + offs_dv[None, :] * sv_d,
+                    mask=n_mask[:, None] & dv_mask[None, :], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m = m_new
+    l = tl.where(l > 0.0, l, 1.0)  # no valid row: output 0
+    out = acc / l[:, None]
+    tl.store(o_ptr + b * so_b + h * so_h + offs_w[:, None] * so_w + offs_dv[None, :] * so_d,
+             out.to(o_ptr.dtype.element_ty), mask=w_mask[:, None] & dv_mask[None, :])
+
+
+def _launch_decode(q, k, v, lengths, idx=None):
+    B, W, H, D = q.shape
+    N = k.shape[1]
+    DV = v.shape[-1]
+    out = torch.empty((B, W, H, DV), device=q.device, dtype=q.dtype)
+    rows = idx.shape[1] if idx is not None else N
+    BLOCK_W = _pow2(W, 16, 64)
+    BLOCK_N = _block_keys(rows)
+    idx_arg = idx if idx is not None else lengths  # unused pointer when HAS_IDX is False
+    si = idx.stride() if idx is not None else (0, 0)
+    grid = (B * H, triton.cdiv(W, BLOCK_W))
+    _decode_attention_kernel[grid](
+        q, k, v, lengths, idx_arg, out,
+        W, H, N, D, DV,
+        *q.stride(), *k.stride(), *v.stride(), *si, *out.stride(),
+        (D ** -0.5) * _LOG2E,
+        HAS_IDX=idx is not None, BLOCK_W=BLOCK_W, BLOCK_N=BLOCK_N,
+        BLOCK_D=_pow2(D), BLOCK_DV=_pow2(DV), DOT_PRECISION=_dot_precision(q),
+        num_warps=4,
+    )
+    return out
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """All beams of a user attend over the first lengths[b] rows of one contiguous K/V block.
+    q [B, W, H, d], k/v [B, N, H, d], lengths [B] -> [B, W, H, d]."""
+    if _use_reference(q, k, v):
+        return reference.decode_attention(q, k, v, lengths)
+    return _launch_decode(q, k, v, lengths)
+
+
+# --------------------------------------------------------------------------------------------
+# attention probabilities: two passes (max/sum, then normalized write)
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def _attention_probs_kernel(
+    q_ptr, k_ptr, len_ptr, p_ptr,
+    W, H, N, D,
+    sq_b, sq_w, sq_h, sq_d,
+    sk_b, sk_n, sk_h, sk_d,
+    sp_b, sp_w, sp_h, sp_n,
+    qk_scale,
+    BLOCK_W: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pid_bh = tl.program_id(0).to(tl.int64)
+    pid_w = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    offs_w = pid_w * BLOCK_W + tl.arange(0, BLOCK_W)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    w_mask = offs_w < W
+    d_mask = offs_d < D
+    q = tl.load(q_ptr + b * sq_b + h * sq_h + offs_w[:, None] * sq_w + offs_d[None, :] * sq_d,
+                mask=w_mask[:, None] & d_mask[None, :], other=0.0)
+    L = tl.minimum(tl.load(len_ptr + b), N)
+    k_base = k_ptr + b * sk_b + h * sk_h
+    p_base = p_ptr + b * sp_b + h * sp_h + offs_w[:, None] * sp_w
+
+    # pass 1: softmax statistics over the valid rows
+    m, l = _softmax_stats(q, k_base, sk_n, sk_d, offs_d, d_mask, L, qk_scale, BLOCK_W, BLOCK_N, DOT_PRECISION)
+    inv_l = 1.0 / tl.where(l > 0.0, l, 1.0)
+    # pass 2: normalized weights of the valid tiles
+    for start in range(0, L, BLOCK_N):
+        n = start + offs_n
+        n_mask = n < L
+        k = tl.load(k_base + n[:, None] * sk_n + offs_d[None, :] * sk_d,
+                    mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        p = tl.exp2(tl.where(n_mask[None, :], s, float("-inf")) - m[:, None]) * inv_l[:, None]
+        tl.store(p_base + n[None, :] * sp_n, p.to(p_ptr.dtype.element_ty),
+                 mask=w_mask[:, None] & (n < N)[None, :])
+    # rows past the budget: zeros, without reading K
+    for start in range(tl.cdiv(L, BLOCK_N) * BLOCK_N, N, BLOCK_N):
+        n = start + offs_n
+        zero = tl.zeros([BLOCK_W, BLOCK_N], tl.float32)
+        tl.store(p_base + n[None, :] * sp_n, zero.to(p_ptr.dtype.element_ty),
+                 mask=w_mask[:, None] & (n < N)[None, :])
+
+
+def attention_probs(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """q [B, W, H, d], k [B, N, H, d], lengths [B] -> probs [B, W, H, N] (0 beyond lengths[b])."""
+    if _use_reference(q, k):
+        return reference.attention_probs(q, k, lengths)
+    B, W, H, D = q.shape
+    N = k.shape[1]
+    out = torch.empty((B, W, H, N), device=q.device, dtype=q.dtype)
+    BLOCK_W = _pow2(W, 16, 64)
+    grid = (B * H, triton.cdiv(W, BLOCK_W))
+    _attention_probs_kernel[grid](
+        q, k, lengths, out, W, H, N, D,
+        *q.stride(), *k.stride(), *out.stride(),
+        (D ** -0.5) * _LOG2E,
+        BLOCK_W=BLOCK_W, BLOCK_N=_block_keys(N), BLOCK_D=_pow2(D), DOT_PRECISION=_dot_precision(q),
+        num_warps=4,
+    )
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# head-averaged attention, pooled over beams (PFA scores) or kept per beam (dynamic top-k)
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def _head_mean_probs_kernel(
+    q_ptr, k_ptr, len_ptr, w_ptr, out_ptr,
+    W, H, N, D,
+    sq_b, sq_w, sq_h, sq_d,
+    sk_b, sk_n, sk_h, sk_d,
+    sw_b, sw_w,
+    so_b, so_w, so_n,
+    qk_scale, inv_heads,
+    POOL_BEAMS: tl.constexpr,
+    BLOCK_W: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Adds mean_h a[b, w, h, n] of this (user, head, beam block) into out (fp32, zero-initialized):
+    POOL_BEAMS: out[b, n] += sum_w w[b, w] * a / H   (PFA importance s_n)
+    otherwise:  out[b, w, n] += a / H                 (each beam's own ranking)"""
+    pid_bh = tl.program_id(0).to(tl.int64)
+    pid_w = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    offs_w = pid_w * BLOCK_W + tl.arange(0, BLOCK_W)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    w_mask = offs_w < W
+    d_mask = offs_d < D
+    q = tl.load(q_ptr + b * sq_b + h * sq_h + offs_w[:, None] * sq_w + offs_d[None, :] * sq_d,
+                mask=w_mask[:, None] & d_mask[None, :], other=0.0)
+    L = tl.minimum(tl.load(len_ptr + b), N)
+    k_base = k_ptr + b * sk_b + h * sk_h
+
+    m, l = _softmax_stats(q, k_base, sk_n, sk_d, offs_d, d_mask, L, qk_scale, BLOCK_W, BLOCK_N, DOT_PRECISION)
+    scale_w = inv_heads / tl.where(l > 0.0, l, 1.0)  # 1 / (H l) per beam
+    if POOL_BEAMS:
+        wb = tl.load(w_ptr + b * sw_b + offs_w * sw_w, mask=w_mask, other=0.0).to(tl.float32)
+        scale_w = scale_w * wb
+    else:
+        scale_w = tl.where(w_mask, scale_w, 0.0)
+    for start in range(0, L, BLOCK_N):
+        n = start + offs_n
+        n_mask = n < L
+        k = tl.load(k_base + n[:, None] * sk_n + offs_d[None, :] * sk_d,
+                    mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        p = tl.exp2(tl.where(n_mask[None, :], s, float("-inf")) - m[:, None]) * scale_w[:, None]
+        if POOL_BEAMS:
+            tl.atomic_add(out_ptr + b * so_b + n * so_n, tl.sum(p, axis=0), mask=n_mask)
+        else:
+            tl.atomic_add(out_ptr + b * so_b + offs_w[:, None] * so_w + n[None, :] * so_n, p,
+                          mask=w_mask[:, None] & n_mask[None, :])
+
+
+def _head_mean_probs(q, k, lengths, beam_weights=None):
+    """[B, N] PFA scores (beam_weights given) or [B, W, N] per-beam head-mean probs, fp32."""
+    B, W, H, D = q.shape
+    N = k.shape[1]
+    pool = beam_weights is not None
+    out = torch.zeros((B, N) if pool else (B, W, N), device=q.device, dtype=torch.float32)
+    so = (out.stride(0), 0, out.stride(1)) if pool else out.stride()
+    w_arg = beam_weights if pool else out
+    sw = beam_weights.stride() if pool else (0, 0)
+    BLOCK_W = _pow2(W, 16, 64)
+    grid = (B * H, triton.cdiv(W, BLOCK_W))
+    _head_mean_probs_kernel[grid](
+        q, k, lengths, w_arg, out, W, H, N, D,
+        *q.stride(), *k.stride(), *sw, *so,
+        (D ** -0.5) * _LOG2E, 1.0 / H,
+        POOL_BEAMS=pool, BLOCK_W=BLOCK_W, BLOCK_N=_block_keys(N), BLOCK_D=_pow2(D),
+        DOT_PRECISION=_dot_precision(q), num_warps=4,
+    )
+    return out
+
+
+def pfa_select(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lengths: torch.Tensor,
+    beam_weights: torch.Tensor,
+    keep: int,
+):
+    """PFA selection step: s_n = sum_w w_w mean_h a_{w,h,n}; order = top `keep` rows by s; the
+    step's output is the attention renormalized over the kept rows.
+    Returns out [B, W, H, d], order [B, keep'], kept_lengths [B] = min(keep', lengths)."""
+    if _use_reference(q, k, v, beam_weights):
+        return reference.pfa_select(q, k, v, lengths, beam_weights, keep)
+    N = k.shape[1]
+    scores = _head_mean_probs(q, k, lengths, beam_weights)  # [B, N] fp32
+    scores = scores.masked_fill(~reference._row_mask(lengths, N), float("-inf"))
+    keep = min(keep, N)
+    order = torch.topk(scores, keep, dim=1, sorted=True).indices  # [B, keep]
+    kept_lengths = torch.clamp(lengths, max=keep)
+    # renormalized weights over the kept rows = softmax over those rows alone
+    out = _launch_decode(q, k, v, kept_lengths, idx=order)
+    return out, order, kept_lengths
+
+
+# --------------------------------------------------------------------------------------------
+# dynamic top-k baseline: every beam over its own scattered rows
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def _beam_rows_attention_kernel(
+    q_ptr, k_ptr, v_ptr, len_ptr, idx_ptr, o_ptr,
+    W, H, N, D, DV, KEEP,
+    sq_b, sq_w, sq_h, sq_d,
+    sk_b, sk_n, sk_h, sk_d,
+    sv_b, sv_n, sv_h, sv_d,
+    si_b, si_w, si_j,
+    so_b, so_w, so_h, so_d,
+    qk_scale,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    """One program per (user, beam), all heads: softmax over the beam's rows idx[b, w, :KEEP]
+    that lie below lengths[b], times their values (rows are gathered by index)."""
+    pid = tl.program_id(0).to(tl.int64)
+    b = pid // W
+    w = pid % W
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    offs_j = tl.arange(0, BLOCK_N)
+    h_mask = offs_h < H
+    hd_mask = h_mask[:, None] & (offs_d < D)[None, :]
+    hdv_mask = h_mask[:, None] & (offs_dv < DV)[None, :]
+    q = tl.load(q_ptr + b * sq_b + w * sq_w + offs_h[:, None] * sq_h + offs_d[None, :] * sq_d,
+                mask=hd_mask, other=0.0).to(tl.float32)  # [BH, BD]
+    L = tl.minimum(tl.load(len_ptr + b), N)
+
+    m = tl.full([BLOCK_H], _NEG_BIG, tl.float32)
+    l = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+    for start in range(0, KEEP, BLOCK_N):
+        j = start + offs_j
+        rows = tl.load(idx_ptr + b * si_b + w * si_w + j * si_j, mask=j < KEEP, other=0)
+        valid = (j < KEEP) & (rows >= 0) & (rows < L)
+        k = tl.load(k_ptr + b * sk_b + rows[:, None, None] * sk_n + offs_h[None, :, None] * sk_h
+                    + offs_d[None, None, :] * sk_d, mask=valid[:, None, None] & hd_mask[None, :, :],
+                    other=0.0)  # [BN, BH, BD]
+        s = tl.sum(k.to(tl.float32) * q[None, :, :], axis=2) * qk_scale  # [BN, BH]
+        s = tl.where(valid[:, None], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=0))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[None, :])
+        l = l * alpha + tl.sum(p, axis=0)
+        v = tl.load(v_ptr + b * sv_b + rows[:, None, None] * sv_n + offs_h[None, :, None] * sv_h
+                    + offs_dv[None, None, :] * sv_d, mask=valid[:, None, None] & hdv_mask[None, :, :],
+                    other=0.0)  # [BN, BH, BDV]
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32), axis=0)
+        m = m_new
+    l = tl.where(l > 0.0, l, 1.0)
+    out = acc / l[:, None]
+    tl.store(o_ptr + b * so_b + w * so_w + offs_h[:, None] * so_h + offs_dv[None, :] * so_d,
+             out.to(o_ptr.dtype.element_ty), mask=hdv_mask)
+
+
+def dynamic_topk_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, keep: int
+) -> torch.Tensor:
+    """Baseline: every beam ranks the history by its own head-averaged weights and attends
+    (renormalized) over its own top `keep` rows. q [B,W,H,d], k/v [B,N,H,d] -> [B,W,H,d]."""
+    if _use_reference(q, k, v):
+        return reference.dynamic_topk_attention(q, k, v, lengths, keep)
+    B, W, H, D = q.shape
+    N = k.shape[1]
+    DV = v.shape[-1]
+    mean_probs = _head_mean_probs(q, k, lengths)  # [B, W, N] fp32, 0 beyond lengths
+    keep = min(keep, N)
+    idx = torch.topk(mean_probs, keep, dim=-1).indices  # [B, W, keep]
+    out = torch.empty((B, W, H, DV), device=q.device, dtype=q.dtype)
+    BLOCK_H, BLOCK_D, BLOCK_DV = _pow2(H, 1), _pow2(D), _pow2(DV)
+    row = BLOCK_H * max(BLOCK_D, BLOCK_DV)  # elements of one gathered row, all heads
+    # about 4096 elements per [rows, heads, dim] tile keeps the gathered tiles in registers
+    BLOCK_N = min(_pow2(keep, 16), max(16, 4096 // row))
+    _beam_rows_attention_kernel[(B * W,)](
+        q, k, v, lengths, idx, out,
+        W, H, N, D, DV, keep,
+        *q.stride(), *k.stride(), *v.stride(), *idx.stride(), *out.stride(),
+        (D ** -0.5) * _LOG2E,
+        BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV,
+        num_warps=4 if row >= 256 else 2,
+    )
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# gather_rows: copy the kept rows into contiguous memory
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def _gather_rows_kernel(
+    x_ptr, idx_ptr, o_ptr,
+    N, KEEP, F,
+    sx_b, sx_n, sx_f,
+    si_b, si_j,
+    so_b, so_j,
+    BLOCK_J: tl.constexpr, BLOCK_F: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    offs_j = tl.program_id(1) * BLOCK_J + tl.arange(0, BLOCK_J)
+    offs_f = tl.program_id(2) * BLOCK_F + tl.arange(0, BLOCK_F)
+    j_mask = offs_j < KEEP
+    f_mask = offs_f < F
+    rows = tl.load(idx_ptr + b * si_b + offs_j * si_j, mask=j_mask, other=0)
+    row_ok = j_mask & (rows >= 0) & (rows < N)
+    x = tl.load(x_ptr + b * sx_b + rows[:, None] * sx_n + offs_f[None, :] * sx_f,
+                mask=row_ok[:, None] & f_mask[None, :], other=0)
+    tl.store(o_ptr + b * so_b + offs_j[:, None] * so_j + offs_f[None, :], x,
+             mask=j_mask[:, None] & f_mask[None, :])
+
+
+def gather_rows(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """x [B, N, ...], order [B, k] -> contiguous [B, k, ...] (rows in the given order)."""
+    if torch.is_grad_enabled() and x.requires_grad:
+        return reference.gather_rows(x, order)
+    B, N = x.shape[:2]
+    tail = x.shape[2:]
+    F = math.prod(tail)
+    xf = x.reshape(B, N, F)  # a view whenever the trailing dims merge (they do for K/V caches)
+    if xf.dtype == torch.bool:
+        xf = xf.view(torch.uint8)
+    keep = order.shape[1]
+    out = torch.empty((B, keep, F), device=x.device, dtype=xf.dtype)
+    if B == 0 or keep == 0 or F == 0:
+        return out.view(x.dtype).reshape(B, keep, *tail)
+    BLOCK_F = _pow2(F, 16, 512)
+    BLOCK_J = max(1, min(_pow2(keep, 1, 64), 4096 // BLOCK_F))
+    grid = (B, triton.cdiv(keep, BLOCK_J), triton.cdiv(F, BLOCK_F))
+    _gather_rows_kernel[grid](
+        xf, order, out, N, keep, F,
+        *xf.stride(), *order.stride(), out.stride(0), out.stride(1),
+        BLOCK_J=BLOCK_J, BLOCK_F=BLOCK_F, num_warps=4,
+    )
+    return out.view(x.dtype).reshape(B, keep, *tail)
+
+
+# --------------------------------------------------------------------------------------------
+# HSTU pointwise attention (seed 001) with in-kernel relative bias and the M-FALCON mask
+# --------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def _bucket_thresholds_cpu(num_buckets: int, base: float) -> torch.Tensor:
+    """thr[t] = smallest |dt| whose reference time bucket is >= t (thr[0] = 0, thr[T] = int64 max).
+
+    The kernel takes floor(log2(1+|dt|) / log2(base)) in fp32 and corrects it by one bucket with
+    these integer thresholds, so its buckets equal the reference's exactly, boundaries included."""
+    big = torch.iinfo(torch.int64).max
+    t = torch.arange(1, num_buckets, dtype=torch.int64)
+    lo = torch.zeros_like(t)  # bucket(lo) < t (bucket(0) = 0)
+    hi = torch.full_like(t, 1 << 62)
+    reachable = reference.time_bucket(hi, num_buckets, base) >= t
+    for _ in range(63):  # binary search per threshold; invariant bucket(hi) >= t where reachable
+        mid = lo + (hi - lo) // 2
+        up = reference.time_bucket(mid, num_buckets, base) >= t
+        hi = torch.where(up, mid, hi)
+        lo = torch.where(up, lo, mid)
+    thr = torch.where(reachable, hi, torch.full_like(hi, big))
+    return torch.cat([torch.zeros(1, dtype=torch.int64), thr, torch.full((1,), big, dtype=torch.int64)])
+
+
+_THRESHOLDS: dict = {}
+
+
+def _bucket_thresholds(num_buckets: int, base: float, device: torch.device) -> torch.Tensor:
+    key = (num_buckets, float(base), str(device))
+    if key not in _THRESHOLDS:
+        _THRESHOLDS[key] = _bucket_thresholds_cpu(num_buckets, float(base)).to(device)
+    return _THRESHOLDS[key]
+
+
+@triton.jit
+def _time_bucket(dt_abs, thr_ptr, T, inv_log2_base):
+    """Reference time bucket of integer |dt|: fp32 log estimate, then an exact one-step fix."""
+    est = tl.floor(tl.log2(1.0 + dt_abs.to(tl.float32)) * inv_log2_base)
+    bkt = tl.minimum(tl.maximum(est, 0.0), T - 1).to(tl.int32)
+    bkt = tl.where(dt_abs >= tl.load(thr_ptr + bkt + 1), bkt + 1, bkt)
+    bkt = tl.where(dt_abs < tl.load(thr_ptr + bkt), bkt - 1, bkt)
+    return bkt
+
+
+@triton.jit
+def _hstu_attention_kernel(
+    q_ptr, k_ptr, v_ptr, qpos_ptr, kpos_ptr, qts_ptr, kts_ptr, nh_ptr, qself_ptr,
+    pb_ptr, tb_ptr, thr_ptr, o_ptr,
+    M, H, NK, D, DV, P, T,
+    sq_b, sq_m, sq_h, sq_d,
+    sk_b, sk_n, sk_h, sk_d,
+    sv_b, sv_n, sv_h, sv_d,
+    sqp_b, sqp_m, skp_b, skp_n,
+    sqt_b, sqt_m, skt_b, skt_n,
+    sqs_b, sqs_m,
+    spb_h, spb_p, stb_h, stb_t,
+    so_b, so_m, so_h, so_d,
+    scale, inv_norm, inv_log2_base,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """out[b,i,h] = sum_j allowed(i,j) silu(scale q.k + pos_bias + time_bias) / norm * v_j.
+
+    History keys j < num_history[b] with k_pos[j] <= q_pos[i] are scanned tile by tile; the one
+    extra key a candidate sees (itself, q_self[b, i]) is added per query row afterwards."""
+    pid_bh = tl.program_id(0).to(tl.int64)
+    pid_m = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    offs_n = tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    d_mask = offs_d < D
+    dv_mask = offs_dv < DV
+
+    q = tl.load(q_ptr + b * sq_b + h * sq_h + offs_m[:, None] * sq_m + offs_d[None, :] * sq_d,
+                mask=m_mask[:, None] & d_mask[None, :], other=0.0)  # [BM, BD]
+    qp = tl.load(qpos_ptr + b * sqp_b + offs_m * sqp_m, mask=m_mask, other=0)
+    qt = tl.load(qts_ptr + b * sqt_b + offs_m * sqt_m, mask=m_mask, other=0)
+    qs = tl.load(qself_ptr + b * sqs_b + offs_m * sqs_m, mask=m_mask, other=-1)
+    nh = tl.minimum(tl.load(nh_ptr + b), NK)
+    pb_base = pb_ptr + h * spb_h
+    tb_base = tb_ptr + h * stb_h
+
+    qp_max = tl.max(tl.where(m_mask, qp, -1), axis=0)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    for start in range(0, nh, BLOCK_N):
+        n = start + offs_n
+        n_mask = n < nh
+        kp = tl.load(kpos_ptr + b * skp_b + n * skp_n, mask=n_mask, other=0)
+        # causal skip: a tile whose keys all come after every query of the block adds nothing
+        if tl.min(tl.where(n_mask, kp, qp_max + 1), axis=0) <= qp_max:
+            k = tl.load(k_ptr + b * sk_b + h * sk_h + n[:, None] * sk_n + offs_d[None, :] * sk_d,
+                        mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+            kt = tl.load(kts_ptr + b * skt_b + n * skt_n, mask=n_mask, other=0)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [BM, BN]
+            rel = tl.minimum(tl.maximum(qp[:, None] - kp[None, :], 0), P - 1)
+            s += tl.load(pb_base + rel * spb_p).to(tl.float32)
+            dt = qt[:, None] - kt[None, :]
+            bkt = _time_bucket(tl.where(dt < 0, -dt, dt), thr_ptr, T, inv_log2_base)
+            s += tl.load(tb_base + bkt * stb_t).to(tl.float32)
+            a = s / (1.0 + tl.exp(-s)) * inv_norm  # silu / N
+            allowed = n_mask[None, :] & (kp[None, :] <= qp[:, None]) & m_mask[:, None]
+            a = tl.where(allowed, a, 0.0)
+            v = tl.load(v_ptr + b * sv_b + h * sv_h + n[:, None] * sv_n + offs_dv[None, :] * sv_d,
+                        mask=n_mask[:, None] & dv_mask[None, :], other=0.0)
+            acc += tl.dot(a.to(v.dtype), v, input_precision=DOT_PRECISION)
+
+    # the query's own key (M-FALCON candidates), unless the history scan already counted it
+    has_self = m_mask & (qs >= 0) & (qs < NK)
+    sp = tl.load(kpos_ptr + b * skp_b + qs * skp_n, mask=has_self, other=0)
+    st = tl.load(kts_ptr + b * skt_b + qs * skt_n, mask=has_self, other=0)
+    has_self = has_self & ~((qs < nh) & (sp <= qp))
+    ks = tl.load(k_ptr + b * sk_b + h * sk_h + qs[:, None] * sk_n + offs_d[None, :] * sk_d,
+                 mask=has_self[:, None] & d_mask[None, :], other=0.0)
+    s = tl.sum(q.to(tl.float32) * ks.to(tl.float32), axis=1) * scale  # [BM]
+    rel = tl.minimum(tl.maximum(qp - sp, 0), P - 1)
+    s += tl.load(pb_base + rel * spb_p).to(tl.float32)
+    dt = qt - st
+    bkt = _time_bucket(tl.where(dt < 0, -dt, dt), thr_ptr, T, inv_log2_base)
+    s += tl.load(tb_base + bkt * stb_t).to(tl.float32)
+    a = tl.where(has_self, s / (1.0 + tl.exp(-s)) * inv_norm, 0.0)
+    vs = tl.load(v_ptr + b * sv_b + h * sv_h + qs[:, None] * sv_n + offs_dv[None, :] * sv_d,
+                 mask=has_self[:, None] & dv_mask[None, :], other=0.0)
+    acc += a[:, None] * vs.to(tl.float32)
+
+    tl.store(o_ptr + b * so_b + h * so_h + offs_m[:, None] * so_m + offs_dv[None, :] * so_d,
+             acc.to(o_ptr.dtype.element_ty), mask=m_mask[:, None] & dv_mask[None, :])
+
+
+def hstu_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    q_ts: torch.Tensor,
+    k_ts: torch.Tensor,
+    num_history: torch.Tensor,
+    q_self: torch.Tensor,
+    pos_bias: torch.Tensor,
+    time_bias: torch.Tensor,
+    time_base: float,
+    scale: float,
+    norm: float,
+) -> torch.Tensor:
+    """HSTU pointwise attention with relative position/time bias and the M-FALCON mask (see the
+    reference for the rule). q [B, M, H, d], k [B, Nk, H, d], v [B, Nk, H, dv] -> [B, M, H, dv]."""
+    if _use_reference(q, k, v, pos_bias, time_bias):
+        return reference.hstu_attention(q, k, v, q_pos, k_pos, q_ts, k_ts, num_history, q_self,
+                                        pos_bias, time_bias, time_base, scale, norm)
+    B, M, H, D = q.shape
+    NK = k.shape[1]
+    DV = v.shape[-1]
+    P = pos_bias.shape[1]
+    T = time_bias.shape[1]
+    out = torch.empty((B, M, H, DV), device=q.device, dtype=q.dtype)
+    thr = _bucket_thresholds(T, time_base, q.device)
+    BLOCK_M = _pow2(M, 16, 64)
+    grid = (B * H, triton.cdiv(M, BLOCK_M))
+    _hstu_attention_kernel[grid](
+        q, k, v, q_pos, k_pos, q_ts, k_ts, num_history, q_self, pos_bias, time_bias, thr, out,
+        M, H, NK, D, DV, P, T,
+        *q.stride(), *k.stride(), *v.stride(),
+        *q_pos.stride(), *k_pos.stride(), *q_ts.stride(), *k_ts.stride(), *q_self.stride(),
+        *pos_bias.stride(), *time_bias.stride(), *out.stride(),
+        float(scale), 1.0 / float(norm), 1.0 / math.log2(float(time_base)),
+        BLOCK_M=BLOCK_M, BLOCK_N=_block_keys(NK), BLOCK_D=_pow2(D), BLOCK_DV=_pow2(DV),
+        DOT_PRECISION=_dot_precision(q), num_warps=4,
+    )
+    return out

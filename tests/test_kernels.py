@@ -1,0 +1,345 @@
+"""Triton kernels against the torch reference ops, run on the CPU by Triton's interpreter.
+
+Triton picks interpreter or compile mode when @triton.jit functions are decorated, for its own
+language library (at `import triton`) as well as for our kernels. So this file sets
+TRITON_INTERPRET=1 before Triton's first import, loads its own copy of the kernels module, and
+puts the variable back. If Triton was already imported in compile mode by an earlier test file,
+the tests rerun in a fresh interpreter process instead. The wrappers are called directly (not
+through the dispatcher), except in the one test that checks the dispatcher's routing.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+# Must precede the first import of triton in the process: Triton fixes interpreter mode for its
+# own language library and for every kernel when they are decorated, i.e. at import time.
+_SAVED_INTERPRET = os.environ.get("TRITON_INTERPRET")
+if "triton" not in sys.modules:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+triton = pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+# False when an earlier test file imported Triton for compiling: then this file reruns in a
+# fresh process (test_in_fresh_interpreter_process) instead of mixing the two modes.
+INTERPRETED = not isinstance(tl.zeros, triton.runtime.JITFunction)
+
+
+def _load_interpreted_kernels():
+    """A private copy of the kernels module whose kernels run in the interpreter."""
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        spec = importlib.util.spec_from_file_location(
+            "_genrec_triton_kernels_interpreted", REPO / "backend_src" / "ops" / "triton_kernels.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+    finally:  # put the variable back so it does not leak into later test files
+        if _SAVED_INTERPRET is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = _SAVED_INTERPRET
+
+
+K = _load_interpreted_kernels() if INTERPRETED else None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _interpreter_env():
+    """Triton also reads the variable while launching, so it is set for this file's tests only."""
+    os.environ["TRITON_INTERPRET"] = "1"
+    yield
+    if _SAVED_INTERPRET is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = _SAVED_INTERPRET
+
+
+@pytest.fixture(autouse=True)
+def _needs_interpreter(request):
+    if not INTERPRETED and request.node.name != "test_in_fresh_interpreter_process":
+        pytest.skip("Triton was imported in compile mode earlier in this process; "
+                    "test_in_fresh_interpreter_process runs these tests in a fresh one")
+
+
+def test_in_fresh_interpreter_process():
+    if INTERPRETED:
+        return  # the tests below run here
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    env.pop("GENREC_OPS_BACKEND", None)
+    res = subprocess.run([sys.executable, "-m", "pytest", str(Path(__file__)), "-q", "-p", "no:cacheprovider"],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-6000:] + res.stderr[-3000:]
+
+
+from backend_src.ops import dispatch  # noqa: E402
+from backend_src.ops import reference as R  # noqa: E402
+
+# fp32: kernel vs reference on the same inputs; fp16: kernel (fp32 accumulation) vs the reference
+# on the same values upcast to fp32, within fp16 output rounding
+TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=1e-2, rtol=1e-2)}
+PROB_TOL = {torch.float32: dict(atol=1e-5, rtol=1e-4), torch.float16: dict(atol=2e-3, rtol=1e-2)}
+DTYPES = [torch.float32, torch.float16]
+# (B, W, H, N, d, lengths): lengths cover 1, N and values in between
+SHAPES = [
+    (3, 5, 2, 40, 16, [1, 40, 17]),
+    (2, 3, 1, 33, 32, [33, 2]),
+]
+
+
+def _decode_inputs(B, W, H, N, d, lengths, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, W, H, d, generator=g).to(dtype)
+    k = torch.randn(B, N, H, d, generator=g).to(dtype)
+    v = torch.randn(B, N, H, d, generator=g).to(dtype)
+    return q, k, v, torch.tensor(lengths, dtype=torch.long)
+
+
+def _f32(*ts):
+    return [t.float() for t in ts]
+
+
+def _close(actual, expected, tol):
+    torch.testing.assert_close(actual.float(), expected.float(), **tol)
+
+
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_decode_attention(shape, dtype):
+    q, k, v, lengths = _decode_inputs(*shape, dtype)
+    out = K.decode_attention(q, k, v, lengths)
+    assert out.dtype == dtype and out.shape == q.shape
+    _close(out, R.decode_attention(*_f32(q, k, v), lengths), TOL[dtype])
+
+
+def test_decode_attention_strided_and_expanded():
+    """Non-contiguous q, and K/V broadcast with stride 0 when every beam becomes its own batch row."""
+    B, W, H, N, d = 2, 3, 2, 24, 16
+    q, k, v, _ = _decode_inputs(B, W, H, N, d, [N] * B, torch.float32, seed=1)
+    q_t = q.transpose(1, 2).contiguous().transpose(1, 2)  # same values, permuted strides
+    lengths = torch.tensor([5, 24])
+    _close(K.decode_attention(q_t, k, v, lengths), R.decode_attention(q, k, v, lengths), TOL[torch.float32])
+    # beams as batch rows: q [B*W, 1, H, d]; user 0's K/V seen by all of them through stride 0
+    qb = q.reshape(B * W, 1, H, d)
+    kb = k[:1].expand(B * W, N, H, d)
+    vb = v[:1].expand(B * W, N, H, d)
+    assert kb.stride(0) == 0
+    lb = torch.arange(1, B * W + 1) * 4
+    _close(K.decode_attention(qb, kb, vb, lb), R.decode_attention(qb, kb.contiguous(), vb.contiguous(), lb),
+           TOL[torch.float32])
+
+
+def test_decode_attention_lengths_prefix_only():
+    """Rows at or past lengths[b] are never read: poisoning them changes nothing."""
+    q, k, v, lengths = _decode_inputs(2, 4, 2, 40, 16, [7, 30], torch.float32, seed=2)
+    k2, v2 = k.clone(), v.clone()
+    for b, n in enumerate(lengths.tolist()):
+        k2[b, n:] = float("nan")
+        v2[b, n:] = float("nan")
+    _close(K.decode_attention(q, k2, v2, lengths), R.decode_attention(q, k, v, lengths), TOL[torch.float32])
+
+
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_attention_probs(shape, dtype):
+    q, k, _, lengths = _decode_inputs(*shape, dtype, seed=3)
+    probs = K.attention_probs(q, k, lengths)
+    assert probs.dtype == dtype and probs.shape == (*q.shape[:3], k.shape[1])
+    ref = R.attention_probs(*_f32(q, k), lengths)
+    _close(probs, ref, PROB_TOL[dtype])
+    n = torch.arange(k.shape[1])
+    assert (probs.float()[(n[None, :] >= lengths[:, None])[:, None, None, :].expand_as(probs)] == 0).all()
+    _close(probs.float().sum(-1), torch.ones(probs.shape[:3]), PROB_TOL[dtype])
+
+
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("keep", [8, 64])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_pfa_select(shape, keep, dtype):
+    q, k, v, lengths = _decode_inputs(*shape, dtype, seed=4)
+    B, W = q.shape[:2]
+    beam_weights = torch.softmax(torch.randn(B, W, generator=torch.Generator().manual_seed(5)), -1)
+    out, order, kept = K.pfa_select(q, k, v, lengths, beam_weights, keep)
+    r_out, r_order, r_kept = R.pfa_select(*_f32(q, k, v), lengths, beam_weights, keep)
+    assert out.dtype == dtype and out.shape == q.shape
+    assert order.shape == r_order.shape == (B, min(keep, k.shape[1]))
+    assert torch.equal(kept, r_kept)
+    for b in range(B):  # entries past kept_lengths[b] are padding
+        assert torch.equal(order[b, : kept[b]], r_order[b, : kept[b]])
+    _close(out, r_out, TOL[dtype])
+
+
+def test_pfa_select_then_prefix_steps():
+    """The PFA pipeline: select once, gather the kept rows contiguously, later steps read prefixes."""
+    q, k, v, lengths = _decode_inputs(3, 4, 2, 40, 16, [1, 40, 23], torch.float32, seed=6)
+    w = torch.softmax(torch.randn(3, 4, generator=torch.Generator().manual_seed(7)), -1)
+    _, order, kept = K.pfa_select(q, k, v, lengths, w, 16)
+    kg, vg = K.gather_rows(k, order), K.gather_rows(v, order)
+    assert kg.is_contiguous() and torch.equal(kg, R.gather_rows(k, order))
+    budget = torch.clamp(kept, max=8)
+    _close(K.decode_attention(q, kg, vg, budget), R.decode_attention(q, kg, vg, budget), TOL[torch.float32])
+
+
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("keep", [1, 6, 64])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_dynamic_topk_attention(shape, keep, dtype):
+    q, k, v, lengths = _decode_inputs(*shape, dtype, seed=8)
+    out = K.dynamic_topk_attention(q, k, v, lengths, keep)
+    assert out.dtype == dtype and out.shape == q.shape
+    _close(out, R.dynamic_topk_attention(*_f32(q, k, v), lengths, keep), TOL[dtype])
+
+
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "dtype,tail", [(torch.float32, (2, 16)), (torch.float16, (2, 32)), (torch.int64, ()), (torch.float32, (3,))]
+)
+def test_gather_rows(dtype, tail):
+    B, N, keep = 3, 40, 12
+    g = torch.Generator().manual_seed(9)
+    x = (torch.randn(B, N, *tail, generator=g) * 100).to(dtype)
+    order = torch.stack([torch.randperm(N, generator=g)[:keep] for _ in range(B)])
+    out = K.gather_rows(x, order)
+    assert out.is_contiguous() and out.dtype == dtype
+    assert torch.equal(out, R.gather_rows(x, order))
+
+
+def test_gather_rows_strided_source():
+    """A layer slice of a stacked [L, B, N, H, d] cache (batch stride not B-major)."""
+    cache = torch.randn(2, 3, 40, 2, 16)
+    x = cache[1]
+    order = torch.randint(0, 40, (3, 9))
+    assert torch.equal(K.gather_rows(x, order), R.gather_rows(x, order))
+    xt = torch.randn(40, 3, 2, 16).transpose(0, 1)  # [B, N, H, d] with N-major storage
+    assert torch.equal(K.gather_rows(xt, order), R.gather_rows(xt, order))
+
+
+# --------------------------------------------------------------------------------------------
+def _hstu_bias(H, P, T, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(H, P, generator=g), torch.randn(H, T, generator=g)
+
+
+def _history_case(B, N, H, d, dv, num_history, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, N, H, d, generator=g).to(dtype)
+    k = torch.randn(B, N, H, d, generator=g).to(dtype)
+    v = torch.randn(B, N, H, dv, generator=g).to(dtype)
+    pos = torch.arange(N)[None].expand(B, N)
+    # gaps in seconds: exact bucket boundaries (0, 1, 2, 4, ...) and day-scale gaps
+    gaps = torch.randint(0, 6, (B, N), generator=g) ** 3 + torch.randint(0, 3, (B, N), generator=g) * 86400
+    ts = torch.cumsum(gaps, 1)
+    nh = torch.tensor(num_history, dtype=torch.long)
+    q_self = torch.full((B, N), -1, dtype=torch.long)
+    return q, k, v, pos, pos, ts, ts, nh, q_self
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d,dv", [(16, 16), (32, 16)])
+def test_hstu_attention_causal_history(d, dv, dtype):
+    B, N, H, P, T = 2, 37, 2, 16, 20
+    args = _history_case(B, N, H, d, dv, [37, 11], dtype, seed=10)
+    pb, tb = _hstu_bias(H, P, T, seed=11)
+    extra = (1.6, d ** -0.5, 40.0)
+    out = K.hstu_attention(*args, pb, tb, *extra)
+    assert out.dtype == dtype and out.shape == (B, N, H, dv)
+    ref = R.hstu_attention(*_f32(*args[:3]), *args[3:], pb, tb, *extra)
+    _close(out, ref, TOL[dtype] if dtype == torch.float32 else dict(atol=2e-3, rtol=1e-2))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_hstu_attention_mfalcon_candidates(dtype):
+    """Candidates see the whole history plus themselves, never each other; history rows stay causal."""
+    B, Nh, M, H, d, P, T = 3, 30, 6, 2, 16, 16, 24
+    q_h, k_h, v_h, pos, _, ts, _, nh, _ = _history_case(B, Nh, H, d, d, [30, 1, 19], dtype, seed=12)
+    g = torch.Generator().manual_seed(13)
+    q_c = torch.randn(B, M, H, d, generator=g).to(dtype)
+    k_c = torch.randn(B, M, H, d, generator=g).to(dtype)
+    v_c = torch.randn(B, M, H, d, generator=g).to(dtype)
+    k = torch.cat([k_h, k_c], 1)
+    v = torch.cat([v_h, v_c], 1)
+    last_ts = ts.gather(1, (nh - 1)[:, None])
+    k_pos = torch.cat([pos, nh[:, None].expand(B, M)], 1)
+    k_ts = torch.cat([ts, (last_ts + 7).expand(B, M)], 1)
+    # candidates alone, then history and candidates in one call (full encode with targets)
+    cand = (q_c, k, v, nh[:, None].expand(B, M), k_pos, last_ts.expand(B, M), k_ts, nh,
+            (Nh + torch.arange(M))[None].expand(B, M))
+    both = (torch.cat([q_h, q_c], 1), k, v, k_pos, k_pos, torch.cat([ts, last_ts.expand(B, M)], 1), k_ts, nh,
+            torch.cat([torch.full((B, Nh), -1), (Nh + torch.arange(M))[None].expand(B, M)], 1))
+    pb, tb = _hstu_bias(H, P, T, seed=14)
+    extra = (1.6, d ** -0.5, 36.0)
+    tol = TOL[dtype] if dtype == torch.float32 else dict(atol=2e-3, rtol=1e-2)
+    for args in (cand, both):
+        out = K.hstu_attention(*args, pb, tb, *extra)
+        ref = R.hstu_attention(*_f32(*args[:3]), *args[3:], pb, tb, *extra)
+        _close(out, ref, tol)
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_hstu_attention_several_query_blocks(shuffle):
+    """More queries than one block: later key tiles are skipped for early query blocks (causal),
+    which must also hold when positions are not in index order."""
+    B, N, H, d = 1, 80, 1, 16
+    q, k, v, pos, _, ts, _, nh, q_self = _history_case(B, N, H, d, d, [80], torch.float32, seed=17)
+    if shuffle:
+        pos = torch.randperm(N, generator=torch.Generator().manual_seed(18))[None]
+    pb, tb = _hstu_bias(H, 16, 20, seed=19)
+    args = (q, k, v, pos, pos, ts, ts, nh, q_self, pb, tb, 1.6, d ** -0.5, 80.0)
+    _close(K.hstu_attention(*args), R.hstu_attention(*args), TOL[torch.float32])
+
+
+def test_time_bucket_thresholds_match_reference():
+    for T, base in [(64, 1.6), (20, 2.0), (8, 10.0)]:
+        thr = K._bucket_thresholds_cpu(T, base)
+        inner = thr[1:-1]
+        reach = inner < torch.iinfo(torch.int64).max
+        assert torch.equal(R.time_bucket(inner[reach], T, base), torch.arange(1, T)[reach])
+        assert torch.equal(R.time_bucket(inner[reach] - 1, T, base), torch.arange(0, T - 1)[reach])
+
+
+# --------------------------------------------------------------------------------------------
+def test_dispatcher_routes_to_kernels(monkeypatch):
+    """With the backend forced to Triton, the public ops run these kernels under the same names."""
+    monkeypatch.setenv("GENREC_OPS_BACKEND", "triton")
+    monkeypatch.setattr(dispatch, "_triton_module", lambda: K)
+    calls = []
+    real = K.decode_attention
+    monkeypatch.setattr(K, "decode_attention", lambda *a: calls.append(1) or real(*a))
+    q, k, v, lengths = _decode_inputs(2, 3, 2, 20, 16, [20, 4], torch.float32, seed=15)
+    out = dispatch.decode_attention(q, k, v, lengths)
+    assert calls and torch.allclose(out, R.decode_attention(q, k, v, lengths), atol=1e-4)
+    for name in ("hstu_attention", "attention_probs", "decode_attention", "pfa_select",
+                 "dynamic_topk_attention", "gather_rows"):
+        assert callable(getattr(K, name))
+
+
+def test_unsupported_inputs_use_reference():
+    q, k, v, lengths = _decode_inputs(2, 3, 2, 20, 16, [20, 4], torch.float64, seed=16)
+    torch.testing.assert_close(K.decode_attention(q, k, v, lengths), R.decode_attention(q, k, v, lengths))
+    empty = torch.empty(0, 3, 2, 16)
+    assert K.attention_probs(empty, torch.empty(0, 20, 2, 16), torch.empty(0, dtype=torch.long)).shape == (0, 3, 2, 20)
+
+
+def test_calls_needing_gradients_use_reference():
+    """The kernels are forward-only: training through the ops must keep its autograd graph."""
+    args = list(_history_case(1, 12, 1, 16, 16, [12], torch.float32, seed=20))
+    pb, tb = _hstu_bias(1, 8, 8, seed=21)
+    pb.requires_grad_(True)
+    out = K.hstu_attention(*args, pb, tb, 1.6, 0.25, 12.0)
+    assert out.grad_fn is not None
+    out.sum().backward()
+    assert pb.grad is not None
+    with torch.no_grad():
+        assert K.hstu_attention(*args, pb, tb, 1.6, 0.25, 12.0).grad_fn is None
