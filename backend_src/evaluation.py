@@ -17,11 +17,14 @@ from backend_src.data.sequences import eval_batches
 from backend_src.metrics import MetricAccumulator
 
 
-def _drop_seen(ranked: torch.Tensor, scores: torch.Tensor, history: torch.Tensor) -> torch.Tensor:
-    """Reorder candidates [B, W] so that already-seen items (and empty slots) fall to the end."""
-    seen = (ranked[:, :, None] == history[:, None, :]).any(-1) | (ranked == 0)
+def drop_seen(cands: torch.Tensor, scores: torch.Tensor, history: torch.Tensor, exclude: bool = True) -> torch.Tensor:
+    """Candidates [B, W] sorted by score (best first); with `exclude`, items already in the
+    history [B, N] (and empty slots) fall to the end as 0."""
+    if not exclude:
+        return torch.gather(cands, 1, torch.argsort(scores, dim=1, descending=True, stable=True))
+    seen = (cands[:, :, None] == history[:, None, :]).any(-1) | (cands == 0)
     order = torch.argsort(scores.masked_fill(seen, float("-inf")), dim=1, descending=True, stable=True)
-    return torch.gather(ranked, 1, order).masked_fill(torch.gather(seen, 1, order), 0)
+    return torch.gather(cands, 1, order).masked_fill(torch.gather(seen, 1, order), 0)
 
 
 @torch.no_grad()
@@ -61,11 +64,7 @@ def evaluate(
             orders["dense"] = (top.indices, top.values)
         for name, (cands, scores) in orders.items():
             for excl in (False, True):
-                if excl:
-                    ranked = _drop_seen(cands, scores, batch.items)
-                else:
-                    order = torch.argsort(scores, dim=1, descending=True, stable=True)
-                    ranked = torch.gather(cands, 1, order)
+                ranked = drop_seen(cands, scores, batch.items, exclude=excl)
                 key = f"{name}/{'seen_excluded' if excl else 'seen_included'}"
                 acc.setdefault(key, MetricAccumulator(ks)).update(ranked[:, : max(ks)], batch.target_items)
     out = {k: a.compute() for k, a in acc.items()}

@@ -20,6 +20,13 @@ DEFAULT_PROFILES = {"B": (1, 8, 32), "n": (1, 200, 200), "m": (1, 64, 64)}
 DEFAULT_WORKSPACE = 2 << 30  # bytes of scratch memory TensorRT may use per layer
 
 
+def default_profiles(cfg) -> dict:
+    """Optimization profile for a model: histories up to its max length, up to 8 users a
+    batch (the encoder's sequence batch), microbatches up to 256 candidates."""
+    n = int(cfg.max_seq_len)
+    return {"B": (1, 1, 8), "n": (1, n, n), "m": (1, 64, 256)}
+
+
 def tensorrt_available() -> tuple[bool, str]:
     """(True, version) when the TensorRT Python package imports, else (False, why not)."""
     if importlib.util.find_spec("tensorrt") is None:

@@ -14,3 +14,7 @@ def data_dir() -> Path:
     if not path.is_dir():
         pytest.skip(f"data directory {path} not present")
     return path
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "server: starts a real tritonserver (slower)")

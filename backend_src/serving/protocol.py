@@ -1,0 +1,177 @@
+"""The tensor contract of every served model: names, dtypes and dims, in one place.
+
+The config generator, the Triton models and the client library all read this module, so a
+name or a shape changes here or nowhere.
+
+Every model (and the ``recommend`` ensemble) has a batch dimension; ``dims`` below are the
+dims of ONE request without it. A client sends one user session per request, so the full
+shapes it sends are ``[1] + dims`` (e.g. ITEM_IDS ``[1, n]``), and it gets ``[1] + dims``
+back (e.g. RECOMMENDED_IDS ``[1, K]``).
+
+Symbolic dims are resolved against the model config: ``L`` layers, ``H`` heads, ``DH`` head
+dim, ``D`` model dim, ``C`` semantic-ID codes per item; ``-1`` is variable (history rows
+``n``, beams ``W``, recommendations ``K``).
+
+Flow (one request of a user session, sequence id = session id):
+
+    client -> recommend (ensemble)
+      history_encoder  events -> per-session HistoryCache (sequence batching, kept in the
+                       instance), outputs the session's whole cached history
+      pfa_decoder      HISTORY_STATES -> CANDIDATE_* (constrained semantic-ID beam search)
+      mfalcon_ranker   HISTORY_KEYS/VALUES/TIMESTAMPS + CANDIDATE_* -> top-K
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+# ------------------------------------------------------------------------------------------
+# Tensor description
+# ------------------------------------------------------------------------------------------
+_NUMPY = {
+    "BOOL": np.bool_,
+    "INT32": np.int32,
+    "INT64": np.int64,
+    "FP32": np.float32,
+    "BYTES": np.object_,
+}
+_CONFIG_TYPE = {"BOOL": "TYPE_BOOL", "INT32": "TYPE_INT32", "INT64": "TYPE_INT64", "FP32": "TYPE_FP32", "BYTES": "TYPE_STRING"}
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: str  # wire datatype as the client names it: INT32, INT64, FP32, BYTES, BOOL
+    dims: tuple  # per request, without the batch dim; ints or symbols L/H/DH/D/C; -1 variable
+    optional: bool = False
+    doc: str = ""
+
+    @property
+    def numpy_dtype(self):
+        return _NUMPY[self.dtype]
+
+    @property
+    def config_type(self) -> str:
+        return _CONFIG_TYPE[self.dtype]
+
+    def resolve(self, sizes: dict) -> tuple:
+        """Dims with symbols replaced by the model's sizes."""
+        return tuple(d if isinstance(d, int) else int(sizes[d]) for d in self.dims)
+
+
+def model_sizes(cfg) -> dict:
+    """Symbol -> size for a ModelConfig."""
+    return {
+        "L": cfg.num_layers,
+        "H": cfg.num_heads,
+        "DH": cfg.d_model // cfg.num_heads,
+        "D": cfg.d_model,
+        "C": cfg.num_codes,
+    }
+
+
+# ------------------------------------------------------------------------------------------
+# Model names
+# ------------------------------------------------------------------------------------------
+ENSEMBLE = "recommend"
+ENCODER = "history_encoder"
+DECODER = "pfa_decoder"
+RANKER = "mfalcon_ranker"
+PYTHON_MODELS = (ENCODER, DECODER, RANKER)
+ALL_MODELS = PYTHON_MODELS + (ENSEMBLE,)
+
+# sequence-batching control inputs of the encoder (no CORRID input: the model reads the
+# sequence id with request.correlation_id())
+CONTROL_START = "START"
+CONTROL_END = "END"
+CONTROL_READY = "READY"
+
+# ------------------------------------------------------------------------------------------
+# Client-facing tensors
+# ------------------------------------------------------------------------------------------
+ITEM_IDS = TensorSpec("ITEM_IDS", "BYTES", (-1,), doc="the data set's raw item ids of the new events, oldest first")
+ACTIONS = TensorSpec("ACTIONS", "INT64", (-1,), doc="action id of each event (ratings 1..5, 0 = none)")
+TIMESTAMPS = TensorSpec("TIMESTAMPS", "INT64", (-1,), doc="event times in seconds, non-decreasing")
+
+TOP_K = TensorSpec("TOP_K", "INT32", (1,), optional=True, doc="recommendations returned")
+BEAM_WIDTH = TensorSpec("BEAM_WIDTH", "INT32", (1,), optional=True, doc="beams = candidates ranked")
+DECODE_MODE = TensorSpec("DECODE_MODE", "BYTES", (1,), optional=True, doc="full | pfa | pfa_per_beam | dynamic_topk")
+PFA_K = TensorSpec("PFA_K", "INT32", (1,), optional=True, doc="history rows kept at the selection step")
+PFA_R = TensorSpec("PFA_R", "FP32", (1,), optional=True, doc="budget ratio of later steps, (0, 1]")
+SELECTION_STEP = TensorSpec("SELECTION_STEP", "INT32", (1,), optional=True, doc="decoding step that selects rows")
+DECODE_OPTION_INPUTS = (BEAM_WIDTH, DECODE_MODE, PFA_K, PFA_R, SELECTION_STEP)
+OPTION_INPUTS = (TOP_K,) + DECODE_OPTION_INPUTS
+
+RECOMMENDED_IDS = TensorSpec("RECOMMENDED_IDS", "BYTES", (-1,), doc="raw item ids, best first; empty string = no item")
+RANK_SCORES = TensorSpec("RANK_SCORES", "FP32", (-1,), doc="M-FALCON ranking logits (-inf = no item)")
+RETRIEVAL_LOG_PROBS = TensorSpec("RETRIEVAL_LOG_PROBS", "FP32", (-1,), doc="beam log-probability of each item")
+SEMANTIC_IDS = TensorSpec("SEMANTIC_IDS", "INT32", (-1, "C"), doc="the items' semantic IDs")
+HISTORY_LENGTH = TensorSpec("HISTORY_LENGTH", "INT64", (1,), doc="events in the session's history after this request")
+TRUNCATED = TensorSpec("TRUNCATED", "INT32", (1,), doc="oldest events dropped by this request to stay within max history")
+
+# ------------------------------------------------------------------------------------------
+# Tensors between the stages
+# ------------------------------------------------------------------------------------------
+HISTORY_STATES = TensorSpec("HISTORY_STATES", "FP32", (-1, "D"), doc="final HSTU states of the n history rows")
+HISTORY_KEYS = TensorSpec("HISTORY_KEYS", "FP32", ("L", -1, "H", "DH"), doc="per-layer keys of the history rows")
+HISTORY_VALUES = TensorSpec("HISTORY_VALUES", "FP32", ("L", -1, "H", "DH"), doc="per-layer values of the history rows")
+HISTORY_TIMESTAMPS = TensorSpec("HISTORY_TIMESTAMPS", "INT64", (-1,), doc="timestamps of the history rows")
+
+CANDIDATE_ITEMS = TensorSpec("CANDIDATE_ITEMS", "INT64", (-1,), doc="beam item indices (0 = empty beam)")
+CANDIDATE_LOG_PROBS = TensorSpec("CANDIDATE_LOG_PROBS", "FP32", (-1,), doc="beam log-probabilities")
+CANDIDATE_CODES = TensorSpec("CANDIDATE_CODES", "INT32", (-1, "C"), doc="beam semantic IDs")
+
+
+@dataclass(frozen=True)
+class ModelContract:
+    name: str
+    inputs: tuple
+    outputs: tuple
+    ragged: tuple = ()  # inputs whose variable dims may differ between batched requests
+
+    def input(self, name: str) -> TensorSpec:
+        return next(t for t in self.inputs if t.name == name)
+
+    def output(self, name: str) -> TensorSpec:
+        return next(t for t in self.outputs if t.name == name)
+
+
+ENCODER_CONTRACT = ModelContract(
+    ENCODER,
+    inputs=(ITEM_IDS, ACTIONS, TIMESTAMPS) + OPTION_INPUTS,  # options only validated here
+    outputs=(HISTORY_STATES, HISTORY_KEYS, HISTORY_VALUES, HISTORY_TIMESTAMPS, HISTORY_LENGTH, TRUNCATED),
+    ragged=("ITEM_IDS", "ACTIONS", "TIMESTAMPS"),
+)
+DECODER_CONTRACT = ModelContract(
+    DECODER,
+    inputs=(HISTORY_STATES,) + DECODE_OPTION_INPUTS,
+    outputs=(CANDIDATE_ITEMS, CANDIDATE_LOG_PROBS, CANDIDATE_CODES),
+    ragged=("HISTORY_STATES",),
+)
+RANKER_CONTRACT = ModelContract(
+    RANKER,
+    inputs=(HISTORY_KEYS, HISTORY_VALUES, HISTORY_TIMESTAMPS, CANDIDATE_ITEMS, CANDIDATE_LOG_PROBS, CANDIDATE_CODES, TOP_K),
+    outputs=(RECOMMENDED_IDS, RANK_SCORES, RETRIEVAL_LOG_PROBS, SEMANTIC_IDS),
+    ragged=("HISTORY_KEYS", "HISTORY_VALUES", "HISTORY_TIMESTAMPS", "CANDIDATE_ITEMS", "CANDIDATE_LOG_PROBS", "CANDIDATE_CODES"),
+)
+ENSEMBLE_CONTRACT = ModelContract(
+    ENSEMBLE,
+    inputs=(ITEM_IDS, ACTIONS, TIMESTAMPS) + OPTION_INPUTS,
+    outputs=(RECOMMENDED_IDS, RANK_SCORES, RETRIEVAL_LOG_PROBS, SEMANTIC_IDS, HISTORY_LENGTH, TRUNCATED),
+)
+CONTRACTS = {c.name: c for c in (ENCODER_CONTRACT, DECODER_CONTRACT, RANKER_CONTRACT, ENSEMBLE_CONTRACT)}
+
+# The ensemble's wiring: step model -> ({model input: ensemble tensor}, {model output: ensemble tensor}).
+# Ensemble tensors are named like the model tensors, so each map is the identity on names.
+ENSEMBLE_STEPS = (
+    (ENCODER, [t.name for t in ENCODER_CONTRACT.inputs], [t.name for t in ENCODER_CONTRACT.outputs]),
+    (DECODER, [t.name for t in DECODER_CONTRACT.inputs], [t.name for t in DECODER_CONTRACT.outputs]),
+    (RANKER, [t.name for t in RANKER_CONTRACT.inputs], [t.name for t in RANKER_CONTRACT.outputs]),
+)
+
+# Request status codes carried by validation errors (gRPC names)
+INVALID_ARGUMENT = "INVALID_ARGUMENT"
+NOT_FOUND = "NOT_FOUND"
+RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
+FAILED_PRECONDITION = "FAILED_PRECONDITION"

@@ -1,0 +1,226 @@
+"""Request validation for the served models: every check turns a bad request into a
+``RequestError`` with a message that names the problem, before the request can touch a
+session or the model.
+
+Shapes are checked from the request's declared shape *before* numpy sees the payload: a
+shape whose element count overflows (e.g. ``[2**62]`` with an empty payload) passes the
+server's byte-size check and would otherwise kill the model process.
+
+History length policy: a session keeps at most ``max_history`` events. A request whose events
+would make the history longer drops the OLDEST events (of the session and, if needed, of the
+request) and re-encodes the most recent ``max_history``; the number dropped by that request is
+returned in TRUNCATED. A single request may carry at most ``max_request_events`` events.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from backend_src.config import ATTENTION_MODES, DecodeOptions
+from backend_src.serving import protocol as P
+
+_SHOW = 5  # offending values named in a message
+
+
+class RequestError(ValueError):
+    """A request the model refuses; ``status`` is a gRPC status name from protocol."""
+
+    def __init__(self, message: str, status: str = P.INVALID_ARGUMENT):
+        super().__init__(message)
+        self.message = message
+        self.status = status
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_history: int  # events a session keeps (<= the model's max_seq_len)
+    num_actions: int  # action ids are 0..num_actions-1
+    num_codes: int  # semantic-ID levels (SELECTION_STEP < num_codes)
+    reserved_actions: tuple = (7,)  # the ranking-target action is not a history event
+    max_request_events: int = 100_000
+    max_top_k: int = 256
+    max_beam_width: int = 1024
+    max_pfa_k: int = 1 << 20
+    max_tensor_elements: int = 1 << 24  # any one intermediate tensor of a request
+
+
+def _fmt(values: Sequence, total: int | None = None) -> str:
+    shown = ", ".join(repr(v) for v in list(values)[:_SHOW])
+    total = len(values) if total is None else total
+    return shown + (f" and {total - _SHOW} more" if total > _SHOW else "")
+
+
+# ------------------------------------------------------------------------------------------
+# Shapes and dtypes (before the payload is read)
+# ------------------------------------------------------------------------------------------
+def check_shape(spec: P.TensorSpec, shape: Sequence[int], sizes: dict, max_elements: int) -> tuple:
+    """Check a request tensor's full shape ([1] + dims) against its spec. Returns the shape."""
+    shape = tuple(int(s) for s in shape)
+    dims = spec.resolve(sizes)
+    if len(shape) != len(dims) + 1:
+        raise RequestError(
+            f"input '{spec.name}' must have shape [1, {', '.join('n' if d < 0 else str(d) for d in dims)}] "
+            f"(one session per request), got {list(shape)}"
+        )
+    if shape[0] != 1:
+        raise RequestError(f"input '{spec.name}': batch dimension must be 1 (one session per request), got {shape[0]}")
+    for got, want in zip(shape[1:], dims):
+        if got < 0:
+            raise RequestError(f"input '{spec.name}' has a negative dimension: {list(shape)}")
+        if want >= 0 and got != want:
+            raise RequestError(f"input '{spec.name}' must have shape {[1] + [d if d >= 0 else 'n' for d in dims]}, got {list(shape)}")
+    # the element count in exact integer arithmetic: no wrap-around
+    if math.prod(shape) > max_elements:
+        raise RequestError(f"input '{spec.name}' is too large: shape {list(shape)} exceeds {max_elements} elements")
+    return shape
+
+
+def check_dtype(spec: P.TensorSpec, dtype_name: str) -> None:
+    """`dtype_name` is the wire type name (INT64, FP32, BYTES, ...)."""
+    if dtype_name.replace("TYPE_", "").replace("STRING", "BYTES") != spec.dtype:
+        raise RequestError(f"input '{spec.name}' must be {spec.dtype}, got {dtype_name}")
+
+
+def decode_strings(arr: np.ndarray, name: str) -> list:
+    """BYTES tensor -> list of str (utf-8)."""
+    out = []
+    for v in arr.reshape(-1):
+        if isinstance(v, bytes):
+            try:
+                v = v.decode("utf-8")
+            except UnicodeDecodeError:
+                raise RequestError(f"input '{name}' holds a value that is not UTF-8: {v[:40]!r}") from None
+        out.append(str(v))
+    return out
+
+
+# ------------------------------------------------------------------------------------------
+# Events
+# ------------------------------------------------------------------------------------------
+def check_events(
+    num_items: int,
+    actions: np.ndarray,
+    timestamps: np.ndarray,
+    limits: Limits,
+    start: bool,
+    session_last_timestamp: int | None,
+) -> None:
+    """Counts, action ids and time order of one request's events."""
+    n = num_items
+    if actions.shape[0] != n or timestamps.shape[0] != n:
+        raise RequestError(
+            f"ITEM_IDS, ACTIONS and TIMESTAMPS must have the same length, got {n}, {actions.shape[0]}, {timestamps.shape[0]}"
+        )
+    if start and n == 0:
+        raise RequestError("empty history on sequence start: the first request of a session must carry at least one event")
+    if n > limits.max_request_events:
+        raise RequestError(f"too many events in one request: {n} > {limits.max_request_events}")
+    if n == 0:
+        return
+    bad = np.flatnonzero((actions < 0) | (actions >= limits.num_actions) | np.isin(actions, limits.reserved_actions))
+    if bad.size:
+        raise RequestError(
+            f"ACTIONS out of range at positions {_fmt(bad.tolist())} (values {_fmt(actions[bad].tolist())}): "
+            f"action ids are 0..{limits.num_actions - 1}, {list(limits.reserved_actions)} reserved"
+        )
+    back = np.flatnonzero(np.diff(timestamps) < 0)
+    if back.size:
+        i = int(back[0]) + 1
+        raise RequestError(
+            f"TIMESTAMPS out of order: event {i} at {int(timestamps[i])} is before event {i - 1} at {int(timestamps[i - 1])} "
+            f"({back.size} decrease(s) in this request); events must be oldest first"
+        )
+    if not start and session_last_timestamp is not None and int(timestamps[0]) < session_last_timestamp:
+        raise RequestError(
+            f"TIMESTAMPS out of order: the first new event at {int(timestamps[0])} is before the session's last event at "
+            f"{session_last_timestamp}"
+        )
+
+
+def unknown_items_error(exc: KeyError) -> RequestError:
+    """The model's KeyError naming unknown item ids -> RequestError."""
+    msg = exc.args[0] if exc.args else str(exc)
+    return RequestError(f"ITEM_IDS: {msg}")
+
+
+# ------------------------------------------------------------------------------------------
+# Options
+# ------------------------------------------------------------------------------------------
+def _scalar(values: Mapping, name: str):
+    v = values.get(name)
+    if v is None:
+        return None
+    v = np.asarray(v).reshape(-1)
+    if v.size != 1:
+        raise RequestError(f"input '{name}' must hold one value, got {v.size}")
+    return v[0]
+
+
+def _int_in(values: Mapping, name: str, lo: int, hi: int):
+    v = _scalar(values, name)
+    if v is None:
+        return None
+    v = int(v)
+    if not lo <= v <= hi:
+        raise RequestError(f"{name} must be in [{lo}, {hi}], got {v}")
+    return v
+
+
+def parse_options(values: Mapping, defaults: DecodeOptions, default_top_k: int, limits: Limits) -> tuple:
+    """Option tensors of one request (name -> array; missing ones absent or None) ->
+    (top_k, DecodeOptions), defaults filled in from the model's config."""
+    top_k = _int_in(values, "TOP_K", 1, limits.max_top_k)
+    beam = _int_in(values, "BEAM_WIDTH", 1, limits.max_beam_width)
+    k = _int_in(values, "PFA_K", 1, limits.max_pfa_k)
+    step = _int_in(values, "SELECTION_STEP", 0, limits.num_codes - 1)
+    r = _scalar(values, "PFA_R")
+    if r is not None:
+        r = float(r)
+        if not (0.0 < r <= 1.0):  # also refuses NaN
+            raise RequestError(f"PFA_R must be in (0, 1], got {r}")
+    mode = _scalar(values, "DECODE_MODE")
+    if mode is not None:
+        mode = mode.decode("utf-8", "replace") if isinstance(mode, bytes) else str(mode)
+        if mode not in ATTENTION_MODES:
+            raise RequestError(f"DECODE_MODE must be one of {', '.join(ATTENTION_MODES)}, got {mode!r}")
+    opts = replace(
+        defaults,
+        mode=mode if mode is not None else defaults.mode,
+        beam_width=beam if beam is not None else defaults.beam_width,
+        k=k if k is not None else defaults.k,
+        r=r if r is not None else defaults.r,
+        selection_step=step if step is not None else defaults.selection_step,
+        collect_attention=False,
+    )
+    top_k = top_k if top_k is not None else default_top_k
+    if top_k > opts.beam_width:
+        raise RequestError(f"TOP_K ({top_k}) must not exceed BEAM_WIDTH ({opts.beam_width}): the ranker reorders the beams")
+    return top_k, opts
+
+
+def option_key(opts: DecodeOptions) -> tuple:
+    """Requests with equal keys can be decoded in one batch."""
+    return (opts.mode, opts.beam_width, opts.k, opts.r, opts.selection_step)
+
+
+# ------------------------------------------------------------------------------------------
+# Reading a request's inputs inside a served model
+# ------------------------------------------------------------------------------------------
+def read_input(request, spec: P.TensorSpec, sizes: dict, max_elements: int, get_input) -> np.ndarray | None:
+    """The input `spec` of a request as numpy (None if an optional input is absent), its shape
+    checked first. `get_input` is the backend's get_input_tensor_by_name."""
+    t = get_input(request, spec.name)
+    if t is None:
+        if spec.optional:
+            return None
+        raise RequestError(f"missing input '{spec.name}'")
+    check_shape(spec, t.shape(), sizes, max_elements)
+    return t.as_numpy()
+
+
+def error_code(status: str, codes) -> int:
+    """gRPC status name -> the backend's TritonError code (`codes` = TritonError)."""
+    return codes.UNAVAILABLE if status == P.RESOURCE_EXHAUSTED else codes.INVALID_ARG

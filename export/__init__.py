@@ -1,0 +1,1 @@
+"""Exporters and publishing: training, semantic IDs, ONNX, configs, model versions."""

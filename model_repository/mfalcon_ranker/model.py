@@ -1,0 +1,133 @@
+"""mfalcon_ranker: target-aware ranking of the decoder's candidates (seed 001's M-FALCON).
+
+The candidates attend to the history K/V handed over by history_encoder (never recomputed)
+and to themselves only, in microbatches. Requests batched together are ranked in one call
+(histories padded to the longest). The ranker runs on the fastest runtime this version holds
+(backend_src.serving.ranker_runtime): a TensorRT plan on a GPU host, ``ranker.onnx`` in ONNX
+Runtime, else torch. The top TOP_K by ranking score come back with their raw item ids,
+retrieval log-probabilities and semantic IDs.
+"""
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+RUNTIME_BACKENDS = {"auto": "auto", "torch": "torch", "onnx": "onnxruntime", "tensorrt": "tensorrt"}
+
+
+def _params(args) -> dict:
+    cfg = json.loads(args["model_config"])
+    return {k: v["string_value"] for k, v in cfg.get("parameters", {}).items()}
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        params = _params(args)
+        root = params.get("code_root") or str(Path(__file__).resolve().parents[3])
+        if root not in sys.path:
+            sys.path.insert(0, root)
+        import torch
+
+        from backend_src.model.recommender import GenerativeRecommender
+        from backend_src.serving import protocol as P
+        from backend_src.serving import validation as V
+
+        self.torch, self.P, self.V = torch, P, V
+        torch.set_num_threads(int(params.get("torch_threads", 1)))
+        vdir = Path(args["model_repository"]) / args["model_version"]
+        self.model = GenerativeRecommender.load(vdir / "model.pt")
+        cfg = self.model.cfg
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.model.to(self.device)
+        self.sizes = P.model_sizes(cfg)
+        max_history = min(int(params.get("max_history", cfg.max_seq_len)), cfg.max_seq_len)
+        self.max_top_k = int(params.get("max_top_k", 256))
+        self.max_beams = int(params.get("max_beam_width", 1024))
+        self.default_top_k = int(params.get("top_k", 10))
+        self.microbatch = int(params.get("ranker_microbatch", 64))
+        self.max_elements = max((max_history + 1) * cfg.d_model * cfg.num_layers, self.max_beams * cfg.num_codes)
+        self.raw_ids = np.array([b"" if x is None else str(x).encode() for x in self.model.item_ids], dtype=object)
+        from backend_src.serving.ranker_runtime import RankerRuntime
+
+        backend = RUNTIME_BACKENDS[params.get("ranker_backend", "auto")]
+        self.runtime = RankerRuntime.from_version_dir(vdir, self.model, backend=backend)
+        pb_utils.Logger.log_info(f"mfalcon_ranker v{args['model_version']}: ranking with {self.runtime}")
+
+    def _read(self, request):
+        P, V = self.P, self.V
+        read = lambda spec: V.read_input(request, spec, self.sizes, self.max_elements, pb_utils.get_input_tensor_by_name)
+        keys = read(P.HISTORY_KEYS)[0]  # [L, n, H, dh]
+        values = read(P.HISTORY_VALUES)[0]
+        ts = read(P.HISTORY_TIMESTAMPS)[0]  # [n]
+        cands = read(P.CANDIDATE_ITEMS)[0]  # [W]
+        log_probs = read(P.CANDIDATE_LOG_PROBS)[0]
+        codes = read(P.CANDIDATE_CODES)[0]  # [W, C]
+        top_k = read(P.TOP_K)
+        top_k = self.default_top_k if top_k is None else int(top_k.reshape(-1)[0])
+        if not 1 <= top_k <= self.max_top_k:
+            raise V.RequestError(f"TOP_K must be in [1, {self.max_top_k}], got {top_k}")
+        if not (keys.shape[1] == values.shape[1] == ts.shape[0]) or not (cands.shape[0] == log_probs.shape[0] == codes.shape[0]):
+            raise V.RequestError("mfalcon_ranker: inconsistent history or candidate lengths")
+        if cands.shape[0] > self.max_beams:
+            raise V.RequestError(f"too many candidates: {cands.shape[0]} > {self.max_beams}")
+        return keys, values, ts, cands, log_probs, codes, top_k
+
+    def _scores(self, reqs):
+        """Ranking logits [B, M] for the batch (padded histories and candidate lists)."""
+        torch = self.torch
+        pad = torch.nn.utils.rnn.pad_sequence
+        lengths = torch.tensor([r[2].shape[0] for r in reqs], dtype=torch.long)
+        n = int(lengths.max())
+        # per request [L, n, H, dh] -> padded [B, n, L, H, dh] -> [L, B, n, H, dh]
+        keys = pad([torch.from_numpy(r[0]).transpose(0, 1) for r in reqs], batch_first=True).permute(2, 0, 1, 3, 4).contiguous()
+        values = pad([torch.from_numpy(r[1]).transpose(0, 1) for r in reqs], batch_first=True).permute(2, 0, 1, 3, 4).contiguous()
+        ts = pad([torch.from_numpy(r[2]) for r in reqs], batch_first=True)  # [B, n]
+        cands = pad([torch.from_numpy(r[3]).clamp(min=0) for r in reqs], batch_first=True)  # [B, M]; 0 = none, scored -inf
+        with torch.inference_mode():
+            scores = self.runtime.score(keys, values, ts, lengths, cands, self.microbatch)
+        return torch.as_tensor(scores).float().cpu().masked_fill(cands == 0, float("-inf"))
+
+    def execute(self, requests):
+        P, V, torch = self.P, self.V, self.torch
+        responses = [None] * len(requests)
+        batch = []
+        for i, r in enumerate(requests):
+            try:
+                batch.append((i, self._read(r)))
+            except V.RequestError as e:
+                responses[i] = pb_utils.InferenceResponse(error=pb_utils.TritonError(e.message, V.error_code(e.status, pb_utils.TritonError)))
+        if not batch:
+            return responses
+        try:
+            scores = self._scores([r for _, r in batch])  # [B, M]
+            k = min(max(r[6] for _, r in batch), scores.shape[1])
+            top_scores, top = torch.topk(scores, k, dim=1)  # [B, k] best first
+        except Exception as e:  # noqa: BLE001
+            err = pb_utils.TritonError(f"mfalcon_ranker: {type(e).__name__}: {e}", pb_utils.TritonError.INTERNAL)
+            for i, _ in batch:
+                responses[i] = pb_utils.InferenceResponse(error=err)
+            return responses
+        top_scores, top = top_scores.numpy(), top.numpy()
+        for b, (i, (_, _, _, cands, log_probs, codes, top_k)) in enumerate(batch):
+            kk = min(top_k, cands.shape[0])
+            s = top_scores[b, :kk].astype(np.float32)
+            empty = ~np.isfinite(s)
+            idx = np.where(top[b, :kk] < cands.shape[0], top[b, :kk], 0)  # padding of longer lists is -inf
+            items = cands[idx]
+            items[empty] = 0
+            ids = self.raw_ids[items]
+            lp = log_probs[idx].astype(np.float32)
+            lp[empty] = -np.inf
+            c = codes[idx].astype(np.int32)
+            c[empty] = -1
+            responses[i] = pb_utils.InferenceResponse(
+                output_tensors=[
+                    pb_utils.Tensor(P.RECOMMENDED_IDS.name, ids[None]),
+                    pb_utils.Tensor(P.RANK_SCORES.name, s[None]),
+                    pb_utils.Tensor(P.RETRIEVAL_LOG_PROBS.name, lp[None]),
+                    pb_utils.Tensor(P.SEMANTIC_IDS.name, c[None]),
+                ]
+            )
+        return responses

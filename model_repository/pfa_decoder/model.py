@@ -1,0 +1,113 @@
+"""pfa_decoder: constrained semantic-ID beam search over the history states (seed 000's PFA).
+
+Requests that arrive together (dynamic batching) and ask for the same decode options are
+decoded in one batched beam search; histories of different lengths are padded and masked.
+Decode options come from the request (BEAM_WIDTH, DECODE_MODE, PFA_K, PFA_R, SELECTION_STEP)
+or the defaults in this model's config.
+"""
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+def _params(args) -> dict:
+    cfg = json.loads(args["model_config"])
+    return {k: v["string_value"] for k, v in cfg.get("parameters", {}).items()}
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        params = _params(args)
+        root = params.get("code_root") or str(Path(__file__).resolve().parents[3])
+        if root not in sys.path:
+            sys.path.insert(0, root)
+        import torch
+
+        from backend_src.config import DecodeOptions
+        from backend_src.model.hstu import HistoryCache
+        from backend_src.model.recommender import GenerativeRecommender
+        from backend_src.serving import protocol as P
+        from backend_src.serving import validation as V
+
+        self.torch, self.P, self.V, self.HistoryCache = torch, P, V, HistoryCache
+        torch.set_num_threads(int(params.get("torch_threads", 1)))
+        vdir = Path(args["model_repository"]) / args["model_version"]
+        self.model = GenerativeRecommender.load(vdir / "model.pt")
+        cfg = self.model.cfg
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.model.to(self.device)
+        self.sizes = P.model_sizes(cfg)
+        self.limits = V.Limits(
+            max_history=min(int(params.get("max_history", cfg.max_seq_len)), cfg.max_seq_len),
+            num_actions=cfg.num_actions,
+            num_codes=cfg.num_codes,
+            max_top_k=int(params.get("max_top_k", 256)),
+            max_beam_width=int(params.get("max_beam_width", 1024)),
+        )
+        self.max_elements = (self.limits.max_history + 1) * cfg.d_model
+        self.defaults = DecodeOptions(
+            mode=params.get("decode_mode", "pfa"),
+            beam_width=int(params.get("beam_width", 32)),
+            k=int(params.get("pfa_k", 64)),
+            r=float(params.get("pfa_r", 0.5)),
+            selection_step=int(params.get("selection_step", 1)),
+        )
+        self.default_top_k = int(params.get("top_k", 10))
+
+    def _read(self, request):
+        P, V = self.P, self.V
+        read = lambda spec: V.read_input(request, spec, self.sizes, self.max_elements, pb_utils.get_input_tensor_by_name)
+        states = read(P.HISTORY_STATES)  # [1, n, D]
+        if states.shape[1] == 0:
+            raise V.RequestError("empty history: nothing to decode from")
+        options = {spec.name: read(spec) for spec in P.DECODE_OPTION_INPUTS}
+        _, opts = V.parse_options(options, self.defaults, 1, self.limits)
+        return states[0], opts
+
+    def _decode(self, states_list, opts):
+        """One batched beam search for requests sharing `opts`."""
+        torch, cfg = self.torch, self.model.cfg
+        B = len(states_list)
+        lengths = torch.tensor([s.shape[0] for s in states_list], dtype=torch.long)
+        n = int(lengths.max())
+        states = torch.nn.utils.rnn.pad_sequence([torch.from_numpy(s) for s in states_list], batch_first=True)  # [B, n, D]
+        L, H, dh = cfg.num_layers, cfg.num_heads, cfg.d_model // cfg.num_heads
+        # retrieval reads the states only; the K/V go to the ranker directly
+        cache = self.HistoryCache(
+            keys=torch.zeros(L, B, 0, H, dh), values=torch.zeros(L, B, 0, H, dh), states=states,
+            timestamps=torch.zeros(B, n, dtype=torch.long), lengths=lengths,
+        ).to(self.device)
+        with torch.inference_mode():
+            beams = self.model.retrieve(cache, opts)
+        return beams.item_ids.cpu().numpy(), beams.log_probs.float().cpu().numpy(), beams.codes.cpu().numpy().astype(np.int32)
+
+    def execute(self, requests):
+        P, V = self.P, self.V
+        responses = [None] * len(requests)
+        groups = {}
+        for i, r in enumerate(requests):
+            try:
+                states, opts = self._read(r)
+                groups.setdefault(V.option_key(opts), (opts, []))[1].append((i, states))
+            except V.RequestError as e:
+                responses[i] = pb_utils.InferenceResponse(error=pb_utils.TritonError(e.message, V.error_code(e.status, pb_utils.TritonError)))
+        for opts, members in groups.values():
+            try:
+                items, log_probs, codes = self._decode([s for _, s in members], opts)
+            except Exception as e:  # noqa: BLE001 - this group fails, others carry on
+                err = pb_utils.TritonError(f"pfa_decoder: {type(e).__name__}: {e}", pb_utils.TritonError.INTERNAL)
+                for i, _ in members:
+                    responses[i] = pb_utils.InferenceResponse(error=err)
+                continue
+            for b, (i, _) in enumerate(members):
+                responses[i] = pb_utils.InferenceResponse(
+                    output_tensors=[
+                        pb_utils.Tensor(P.CANDIDATE_ITEMS.name, items[b : b + 1].astype(np.int64)),
+                        pb_utils.Tensor(P.CANDIDATE_LOG_PROBS.name, log_probs[b : b + 1]),
+                        pb_utils.Tensor(P.CANDIDATE_CODES.name, codes[b : b + 1]),
+                    ]
+                )
+        return responses
