@@ -1,0 +1,111 @@
+"""Shared timing helpers for the offline benchmarks.
+
+Every benchmark measures its variants side by side in one process: after warmup runs, each
+repetition runs every variant once (round-robin, the starting variant rotating per repetition),
+so machine noise on a shared host hits all variants alike. Numbers are medians of those
+repetitions; ratios are computed from the medians.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import shlex
+import sys
+import statistics
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+RESULTS_DIR = REPO_ROOT / "perf" / "results"
+
+
+def add_common_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quick", action="store_true", help="tiny smoke configuration (seconds; numbers mean little)")
+    p.add_argument("--out", type=Path, default=RESULTS_DIR, help="directory for the result JSON")
+    p.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    p.add_argument("--reps", type=int, default=None, help="timed repetitions per variant (default per benchmark)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed runs per variant first")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def setup_torch(threads: int, seed: int = 0) -> None:
+    torch.set_num_threads(threads)
+    torch.manual_seed(seed)
+
+
+def interleaved(
+    variants: dict[str, Callable[[], object]],
+    reps: int,
+    warmup: int = 1,
+    max_seconds: float | None = None,
+    min_reps: int = 3,
+) -> dict[str, list[float]]:
+    """Time every variant `reps` times, round-robin, after `warmup` untimed rounds.
+
+    Repetition i runs the variants starting at index i (rotated), so no variant always runs
+    first or right after the same neighbour. With max_seconds, repetitions stop early (never
+    below min_reps) once the next round would exceed that budget. Returns seconds per run.
+    """
+    names = list(variants)
+    with torch.inference_mode():
+        for _ in range(warmup):
+            for name in names:
+                variants[name]()
+        times: dict[str, list[float]] = {n: [] for n in names}
+        start = time.perf_counter()
+        for i in range(reps):
+            if max_seconds is not None and i >= min_reps:
+                elapsed = time.perf_counter() - start
+                if elapsed / i * (i + 1) > max_seconds:
+                    break
+            order = names[i % len(names):] + names[: i % len(names)]
+            for name in order:
+                gc.collect()  # no collector pause lands inside one variant's timing
+                t0 = time.perf_counter()
+                variants[name]()
+                times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def summary_ms(samples: list[float]) -> dict:
+    """Seconds -> {latency_ms_p50 (median), latency_ms_min, latency_ms_max, reps}."""
+    ms = [s * 1e3 for s in samples]
+    return {
+        "latency_ms_p50": statistics.median(ms),
+        "latency_ms_min": min(ms),
+        "latency_ms_max": max(ms),
+        "reps": len(ms),
+    }
+
+
+def median_s(samples: list[float]) -> float:
+    return statistics.median(samples)
+
+
+def ratio(a: float, b: float) -> float | None:
+    """a / b, None when b is 0 (never divide by a missing measurement silently)."""
+    return a / b if b else None
+
+
+def command(module: str, argv: list[str] | None) -> str:
+    """The command line that reproduces a run, as `python -m <module> <args>`."""
+    args = [str(a) for a in (sys.argv[1:] if argv is None else argv)]
+    # paths inside the repository are written relative to its root (where the command runs)
+    args = [str(Path(a).relative_to(REPO_ROOT)) if a.startswith(str(REPO_ROOT) + os.sep) else a for a in args]
+    return " ".join(["python", "-m", module, *map(shlex.quote, args)])
+
+
+def host_load() -> list[float] | None:
+    """1, 5 and 15 minute load averages: how busy the shared host was around the run."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)

@@ -1,0 +1,206 @@
+"""Turns the benchmark JSON files of a results directory into RESULTS.md (Markdown tables) and
+PNG plots: decode latency vs history length per variant, ranking throughput vs candidates,
+incremental-encoding bar chart.
+
+    python -m perf.report                     # perf/results
+    python -m perf.report --results DIR
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from backend_src.results import markdown_table  # noqa: E402
+from perf.common import RESULTS_DIR  # noqa: E402
+
+DECODE_COLUMNS = ["mode", "users", "latency_ms_p50", "latency_ms_per_user_p50", "speedup_vs_full",
+                  "attn_mac_ratio_vs_full", "total_ops_ratio_vs_full", "project_history_ms_p50",
+                  "paper_speedup_vs_full", "reps"]
+RANKING_COLUMNS = ["mode", "effective_microbatch", "latency_ms_p50", "candidates_per_s", "speedup_vs_naive",
+                   "speedup_vs_naive_incl_history_encode", "extrapolated_from", "reps"]
+CACHING_COLUMNS = ["users", "new_events", "mode", "latency_ms_p50", "latency_ms_per_user_p50",
+                   "speedup_vs_forward", "max_abs_diff", "reps"]
+
+
+def load_results(directory: Path) -> dict:
+    """benchmark name -> blob, for the JSON files that carry a "benchmark" field; others listed."""
+    found, others = {}, []
+    for path in sorted(directory.glob("*.json")):
+        try:
+            blob = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        blob["_file"] = path.name
+        if isinstance(blob, dict) and blob.get("benchmark") in ("decode", "ranking", "caching"):
+            found[blob["benchmark"]] = blob
+        elif isinstance(blob, dict):
+            others.append(blob)
+    found["_others"] = others
+    return found
+
+
+def _provenance(blob: dict) -> str:
+    m = blob.get("machine", {})
+    machine = f"{m.get('cpu_cores', '?')} cores, {m.get('torch_threads', '?')} torch threads, " \
+              f"gpu {m.get('gpu') or 'none'}, torch {m.get('torch', '?')}"
+    return (f"File `{blob['_file']}`; command `{blob.get('command')}`; date {blob.get('date')}; "
+            f"commit {blob.get('commit')}; machine: {machine}.")
+
+
+def _fmt_rows(rows, digits=2):
+    """Round floats for display (keeps the table readable; the JSON has full precision)."""
+    out = []
+    for r in rows:
+        out.append({k: (round(v, digits) if isinstance(v, float) and abs(v) >= 0.01 else v) for k, v in r.items()})
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Sections
+# --------------------------------------------------------------------------------------------
+def decode_section(blob: dict, out_dir: Path) -> list[str]:
+    rows = blob["rows"]
+    paper = blob.get("paper", {})
+    lines = ["## Decode latency (semantic-ID beam search)", "", _provenance(blob), "", blob.get("note", ""), ""]
+    cfg = blob.get("config", {})
+    lines.append(f"Beam {cfg.get('beam')}, codebook sizes {cfg.get('codebook_sizes')}, {cfg.get('items')} items, "
+                 f"d_model {cfg.get('d_model')}, {cfg.get('heads')} heads. Latency in ms per batch of users "
+                 f"(median of interleaved repetitions) and per user; speedups are ratios of medians measured in "
+                 f"one process. MAC ratios are analytical (attention QK + AV rows actually read; "
+                 f"total_ops adds selection work).")
+    lines.append("")
+    for n in sorted({r["history"] for r in rows}):
+        sub = [r for r in rows if r["history"] == n]
+        lines += [f"### History {n}", "", markdown_table(_fmt_rows(sub), DECODE_COLUMNS, ".3g"), ""]
+    if paper:
+        ours = paper.get("our_count_at_paper_setting", {})
+        lines += [
+            "Paper (seed 000, history 512, L20 GPU, 512 users a batch): PFA "
+            f"{paper.get('measured_speedup_pfa_vs_full')}x faster than full attention measured, "
+            f"{paper.get('theoretical_mac_ratio_pfa_vs_full')}x fewer attention MACs in theory, "
+            f"{paper.get('theoretical_mac_ratio_dynamic_vs_pfa')}x fewer than dynamic top-k. The same counting "
+            f"rule here gives {ours.get('full_vs_pfa', float('nan')):.2f}x and "
+            f"{ours.get('dynamic_vs_pfa', float('nan')):.2f}x at that setting.", ""]
+    png = out_dir / "decode_latency.png"
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for mode in dict.fromkeys(r["mode"] for r in rows):
+        pts = sorted((r["history"], r["latency_ms_per_user_p50"]) for r in rows if r["mode"] == mode)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=mode,
+                linewidth=2.5 if mode in ("full", "pfa") else 1.2)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("history length")
+    ax.set_ylabel("ms per user (median)")
+    ax.set_title("Beam-search decode latency per user")
+    ax.legend(fontsize=7, ncol=2)
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    lines += [f"![decode latency]({png.name})", ""]
+    if blob.get("profile_self_ms"):
+        lines += ["Slowest ops (self CPU ms, one decode):", ""]
+        for key, ops in blob["profile_self_ms"].items():
+            lines.append(f"- {key}: " + ", ".join(f"{o['op']} {o['self_ms']:.1f}" for o in ops[:6]))
+        lines.append("")
+    return lines
+
+
+def ranking_section(blob: dict, out_dir: Path) -> list[str]:
+    rows = blob["rows"]
+    lines = ["## Ranking throughput (M-FALCON vs one forward per candidate)", "", _provenance(blob), "",
+             blob.get("note", ""), ""]
+    goal = blob.get("goal", {}).get("speedup_at_1024_candidates")
+    for m in sorted({r["candidates"] for r in rows}):
+        sub = [r for r in rows if r["candidates"] == m]
+        lines += [f"### {m} candidates, history {sub[0]['history']}", "",
+                  markdown_table(_fmt_rows(sub), RANKING_COLUMNS, ".3g"), ""]
+    best = [r for r in rows if r["candidates"] == 1024 and r.get("speedup_vs_naive") and r["mode"] != "naive_full_forward"]
+    if best and goal:
+        b = max(best, key=lambda r: r["speedup_vs_naive"])
+        lines += [f"At 1024 candidates the best microbatch ({b['microbatch']}) is {b['speedup_vs_naive']:.0f}x the "
+                  f"naive throughput ({b['speedup_vs_naive_incl_history_encode']:.0f}x counting one history "
+                  f"encode); goal {goal:.0f}x.", ""]
+    png = out_dir / "ranking_throughput.png"
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for mode in dict.fromkeys(r["mode"] for r in rows if "candidates_per_s" in r):
+        pts = sorted((r["candidates"], r["candidates_per_s"]) for r in rows if r["mode"] == mode)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=mode)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("candidates per request")
+    ax.set_ylabel("candidates / s (median)")
+    ax.set_title("Ranking throughput")
+    ax.legend(fontsize=8)
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    lines += [f"![ranking throughput]({png.name})", ""]
+    return lines
+
+
+def caching_section(blob: dict, out_dir: Path) -> list[str]:
+    rows = blob["rows"]
+    lines = ["## Incremental encoding (append to a cached history vs re-encode)", "", _provenance(blob), "",
+             blob.get("note", ""), "", markdown_table(_fmt_rows(rows, 3), CACHING_COLUMNS, ".3g"), ""]
+    png = out_dir / "caching.png"
+    groups = sorted({(r["users"], r["new_events"]) for r in rows})
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    width = 0.38
+    for j, kind in enumerate(("append", "forward")):
+        vals = [next((r["latency_ms_p50"] for r in rows if (r["users"], r["new_events"]) == g
+                      and r["mode"].startswith(kind)), 0.0) for g in groups]
+        bars = ax.bar([i + (j - 0.5) * width for i in range(len(groups))], vals, width, label=kind)
+        ax.bar_label(bars, fmt="%.1f", fontsize=7)
+    ax.set_xticks(range(len(groups)), [f"{u} user{'s' if u > 1 else ''}, +{e}" for u, e in groups])
+    ax.set_yscale("log")
+    ax.set_ylabel("ms per batch (median)")
+    ax.set_title(f"Append vs re-encode, history {rows[0]['history']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    lines += [f"![caching]({png.name})", ""]
+    return lines
+
+
+def write_report(directory: Path = RESULTS_DIR) -> Path:
+    directory = Path(directory)
+    results = load_results(directory)
+    lines = ["# Offline performance results", "",
+             "Generated from the JSON files in this directory. Medians of repetitions in which every variant "
+             "runs once per round (interleaved), after warmup; ratios come from medians measured in the same "
+             "process. Absolute CPU times depend on the host and its load; the ratios are the numbers to read.", ""]
+    for name, section in (("decode", decode_section), ("ranking", ranking_section), ("caching", caching_section)):
+        if name in results:
+            lines += section(results[name], directory)
+        else:
+            lines += [f"## {name}", "", "(no result file yet)", ""]
+    others = results["_others"]
+    if others:
+        lines += ["## Other result files", ""]
+        lines += [f"- `{b['_file']}`: {b.get('command', '')} ({b.get('date', '')})" for b in others]
+        lines.append("")
+    path = directory / "RESULTS.md"
+    path.write_text("\n".join(lines))
+    return path
+
+
+def main(argv=None) -> Path:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--results", type=Path, default=RESULTS_DIR, help="directory with the JSON files")
+    args = p.parse_args(argv)
+    path = write_report(args.results)
+    print(f"wrote {path}", flush=True)
+    return path
+
+
+if __name__ == "__main__":
+    main()

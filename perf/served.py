@@ -1,0 +1,485 @@
+"""Served performance of the recommender: a real Triton server on free ports, a temporary
+model repository with the checkpoint published into it.
+
+(a) throughput and p50/p95/p99 latency under load: perf_analyzer drives the ``recommend``
+    ensemble with sequences built from real user histories (each sequence: open with the
+    user's history, then one event per request), at several concurrencies;
+(b) what Triton adds: the same work in-process (GenerativeRecommender encode / append +
+    recommend, same history length, same options, same torch threads as a served instance)
+    next to the served latency at concurrency 1, per request kind;
+(c) one request at a long history (512, or the model's max), beam 100 = 100 candidates ranked,
+    top 10: p50/p99 over N requests through the Python gRPC client;
+(d) with --locust: locust (from its own environment) replays user sessions (open, appends,
+    close) for a bounded time; its CSV statistics go into the result.
+
+    python -m perf.served --checkpoint runs/demo/model.pt --data synthetic [--quick] [--locust]
+
+Writes perf/results/served_<data>.json and prints Markdown tables.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import glob
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+
+from backend_src.results import REPO_ROOT, markdown_table, write_result
+from backend_src.serving import protocol as P
+
+RESULTS_DIR = REPO_ROOT / "perf" / "results"
+DEFAULT_CHECKPOINT = REPO_ROOT / "runs" / "demo" / "model.pt"
+LOCUST_VENV = REPO_ROOT / ".venv-locust"
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def pct(samples_ms) -> dict:
+    a = np.asarray(samples_ms, dtype=float)
+    if a.size == 0:
+        return {"n": 0}
+    return {"n": int(a.size), "p50_ms": float(np.percentile(a, 50)), "p95_ms": float(np.percentile(a, 95)),
+            "p99_ms": float(np.percentile(a, 99)), "mean_ms": float(a.mean())}
+
+
+# --------------------------------------------------------------------------------------------
+# perf_analyzer
+# --------------------------------------------------------------------------------------------
+def perf_analyzer_binary() -> Path | None:
+    """The perf_analyzer that the tritonclient package installs next to this interpreter."""
+    p = Path(sys.executable).parent / "perf_analyzer"
+    return p if p.exists() else (Path(shutil.which("perf_analyzer")) if shutil.which("perf_analyzer") else None)
+
+
+def perf_analyzer_env(lib_dir: Path) -> dict:
+    """Environment in which the bundled perf_analyzer starts: it links libb64.so.0d and
+    libcudart.so.12, which the nvidia-pytriton wheel ships under hashed names; link them under
+    the plain names into `lib_dir` and put it on LD_LIBRARY_PATH."""
+    from backend_src.serving.server import triton_home
+
+    libs = triton_home().parents[1] / "nvidia_pytriton.libs"
+    lib_dir.mkdir(parents=True, exist_ok=True)
+    for plain, pattern in (("libb64.so.0d", "libb64-*.so.0d"), ("libcudart.so.12", "libcudart-*.so.12*")):
+        hits = sorted(glob.glob(str(libs / pattern)))
+        if not hits:
+            raise RuntimeError(f"no {pattern} in {libs}: perf_analyzer cannot start")
+        link = lib_dir / plain
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        link.symlink_to(hits[0])
+    env = dict(os.environ)
+    env["LD_LIBRARY_PATH"] = str(lib_dir) + (os.pathsep + env["LD_LIBRARY_PATH"] if env.get("LD_LIBRARY_PATH") else "")
+    return env
+
+
+def perf_analyzer_usable(env: dict) -> tuple[bool, str]:
+    binary = perf_analyzer_binary()
+    if binary is None:
+        return False, "no perf_analyzer binary (it comes with tritonclient 2.51)"
+    r = subprocess.run([str(binary), "--help"], env=env, capture_output=True, text=True, timeout=60)
+    text = r.stdout + r.stderr
+    if "error while loading shared libraries" in text:
+        return False, text.strip().splitlines()[-1]
+    return True, str(binary)
+
+
+def _json_tensor(spec: P.TensorSpec, values: list) -> dict:
+    return {"content": values, "shape": [len(values)] if spec.dims == (-1,) else list(spec.resolve({}))}
+
+
+def sequence_input_data(streams: list, options: dict) -> dict:
+    """perf_analyzer input data: one stream per user session, one step per request; step 0
+    opens the session with its history, every later step appends events. All option inputs
+    are given (perf_analyzer would otherwise fill optional inputs with random data)."""
+    from clients.client import OPTION_TENSORS
+
+    opt = {}
+    for key, value in options.items():
+        spec = OPTION_TENSORS[key]
+        opt[spec.name] = {"content": [value], "shape": [1]}
+    data = []
+    for steps in streams:
+        out = []
+        for items, actions, timestamps in steps:
+            out.append({
+                P.ITEM_IDS.name: _json_tensor(P.ITEM_IDS, [str(x) for x in items]),
+                P.ACTIONS.name: _json_tensor(P.ACTIONS, [int(x) for x in actions]),
+                P.TIMESTAMPS.name: _json_tensor(P.TIMESTAMPS, [int(x) for x in timestamps]),
+                **opt,
+            })
+        data.append(out)
+    return {"data": data}
+
+
+def run_perf_analyzer(url: str, input_json: Path, concurrency: int, steps: int, env: dict, csv_path: Path,
+                      interval_ms: int = 3000, max_trials: int = 6, timeout_s: float = 300.0,
+                      id_start: int = 1_000_000, request_count: int | None = None) -> dict:
+    """One perf_analyzer run at one concurrency; returns the parsed CSV row. With
+    `request_count`, one measurement of that many requests (no stability windows)."""
+    cmd = [
+        str(perf_analyzer_binary()), "-m", P.ENSEMBLE, "-u", url, "-i", "grpc", "-b", "1",
+        "--input-data", str(input_json),
+        "--sequence-length", str(steps), "--sequence-length-variation", "0",
+        "--sequence-id-range", f"{id_start}:{id_start + 1_000_000}",
+        "--concurrency-range", str(concurrency),
+        "-f", str(csv_path),
+    ]
+    if request_count:
+        cmd += ["--request-count", str(request_count)]
+    else:
+        cmd += ["--measurement-mode", "time_windows", "--measurement-interval", str(interval_ms),
+                "--stability-percentage", "50", "--max-trials", str(max_trials), "--percentile", "95"]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+    if r.returncode != 0 or not csv_path.exists():
+        tail = "\n".join((r.stdout + r.stderr).strip().splitlines()[-15:])
+        raise RuntimeError(f"perf_analyzer failed (exit {r.returncode}):\n{tail}")
+    return parse_perf_analyzer_csv(csv_path)[0] | {"command": " ".join(cmd[1:])}
+
+
+def parse_perf_analyzer_csv(path: Path) -> list:
+    """perf_analyzer's -f CSV (latencies in microseconds) -> rows in ms."""
+    rows = []
+    with open(path, newline="") as f:
+        for r in csv.DictReader(f):
+            us = lambda k: float(r[k]) / 1e3 if r.get(k) not in (None, "") else None  # noqa: E731
+            rows.append({
+                "concurrency": int(r["Concurrency"]),
+                "throughput_per_s": float(r["Inferences/Second"]),
+                "p50_ms": us("p50 latency"), "p90_ms": us("p90 latency"), "p95_ms": us("p95 latency"), "p99_ms": us("p99 latency"),
+                "server_queue_ms": us("Server Queue"), "server_compute_ms": us("Server Compute Infer"),
+                "client_send_ms": us("Client Send"), "network_server_ms": us("Network+Server Send/Recv"),
+                "client_recv_ms": us("Client Recv"),
+            })
+    return rows
+
+
+# --------------------------------------------------------------------------------------------
+# User histories
+# --------------------------------------------------------------------------------------------
+def raw_events(data, u: int, last: int | None = None) -> tuple:
+    it, ac, ts = data.user_events(u)
+    if last:
+        it, ac, ts = it[-last:], ac[-last:], ts[-last:]
+    return [str(x) for x in data.item_ids[it]], ac.tolist(), ts.tolist()
+
+
+def session_streams(data, num: int, history: int, appends: int, seed: int = 0) -> list:
+    """Up to `num` real users with at least appends + 2 events: (open events, [append events])
+    where the open carries up to `history` events and each append one event."""
+    rows = np.flatnonzero(data.lengths >= appends + 2)
+    rows = np.random.default_rng(seed).permutation(rows)[:num]
+    streams = []
+    for u in rows.tolist():
+        items, actions, ts = raw_events(data, u, last=history + appends)
+        k = len(items) - appends
+        steps = [(items[:k], actions[:k], ts[:k])] + [([items[i]], [actions[i]], [ts[i]]) for i in range(k, len(items))]
+        streams.append(steps)
+    return streams
+
+
+def long_history(data, n: int, seed: int = 0) -> tuple:
+    """A history of exactly n events: the longest user's most recent n events, preceded by
+    random catalog items (earlier timestamps) if that user has fewer."""
+    u = int(np.argmax(data.lengths))
+    items, actions, ts = raw_events(data, u, last=n)
+    missing = n - len(items)
+    if missing > 0:
+        rng = np.random.default_rng(seed)
+        extra = data.item_ids[rng.integers(1, data.num_items + 1, missing)]
+        first = ts[0] if ts else 0
+        items = [str(x) for x in extra] + items
+        actions = [0] * missing + actions
+        ts = [first - 60 * (missing - i) for i in range(missing)] + ts
+    return items, actions, ts
+
+
+# --------------------------------------------------------------------------------------------
+# (b) and (c): in-process vs served, one request at a time
+# --------------------------------------------------------------------------------------------
+def in_process_latency(model, events: tuple, options, top_k: int, reps: int, threads: int) -> dict:
+    """Latencies (ms) of the served work done in this process: open = encode the history +
+    recommend; append = append one event to the cached history + recommend; cached = recommend
+    on the cached history."""
+    import torch
+
+    torch.set_num_threads(threads)
+    items, actions, ts = events
+    idx = torch.as_tensor(model.item_indices(items))[None]
+    act = torch.tensor([actions])
+    tim = torch.tensor([ts])
+    n = idx.shape[1]
+    out = {"open": [], "append": [], "cached": []}
+    with torch.inference_mode():
+        for r in range(reps + 1):  # the first round warms up
+            t0 = time.perf_counter()
+            cache = model.encode(idx, act, tim, torch.tensor([n]))
+            model.recommend(cache, options, top_k=top_k)
+            t1 = time.perf_counter()
+            base = model.encode(idx[:, :-1], act[:, :-1], tim[:, :-1], torch.tensor([n - 1]))
+            t2 = time.perf_counter()
+            grown = model.append(base, idx[:, -1:], act[:, -1:], tim[:, -1:], torch.tensor([1]))
+            model.recommend(grown, options, top_k=top_k)
+            t3 = time.perf_counter()
+            model.recommend(cache, options, top_k=top_k)
+            t4 = time.perf_counter()
+            if r:
+                out["open"].append((t1 - t0) * 1e3)
+                out["append"].append((t3 - t2) * 1e3)
+                out["cached"].append((t4 - t3) * 1e3)
+    return out
+
+
+def served_latency(url: str, events: tuple, options: dict, reps: int) -> dict:
+    """The same three request kinds through the server at concurrency 1 (client round trips)."""
+    from clients.client import RecommenderClient
+
+    items, actions, ts = events
+    tag = uuid.uuid4().hex[:8]
+    out = {"open": [], "append": [], "cached": []}
+    with RecommenderClient(url, keep_history=False) as c:
+        for r in range(reps + 1):
+            sid = f"perf-{tag}-{r}"
+            opened = c.open_session(sid, items, actions, ts, **options)
+            cached = c.recommend(sid, **options)
+            c.close_session(sid)
+            c.open_session(sid, items[:-1], actions[:-1], ts[:-1], **options)
+            appended = c.append(sid, items[-1:], actions[-1:], ts[-1:], **options)
+            c.close_session(sid)
+            if r:
+                out["open"].append(opened.latency_ms)
+                out["cached"].append(cached.latency_ms)
+                out["append"].append(appended.latency_ms)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# (d) locust
+# --------------------------------------------------------------------------------------------
+def locust_binary(explicit: str | None = None) -> Path | None:
+    for cand in (explicit, os.environ.get("GENREC_LOCUST"), LOCUST_VENV / "bin" / "locust"):
+        if cand and Path(cand).exists():
+            return Path(cand)
+    return None
+
+
+def write_locust_sessions(path: Path, streams: list) -> None:
+    """Sessions for the locustfile (its environment has no torch: plain JSON)."""
+    sessions = []
+    for steps in streams:
+        items = [x for s in steps for x in s[0]]
+        actions = [a for s in steps for a in s[1]]
+        ts = [t for s in steps for t in s[2]]
+        sessions.append({"items": items, "actions": actions, "timestamps": ts, "open": len(steps[0][0])})
+    path.write_text(json.dumps({"sessions": sessions}))
+
+
+def run_locust(binary: Path, url: str, sessions_json: Path, options: dict, users: int, run_time_s: int, workdir: Path) -> dict:
+    prefix = workdir / "locust"
+    env = dict(os.environ)
+    env["GENREC_LOCUST_SESSIONS"] = str(sessions_json)
+    env["GENREC_LOCUST_OPTIONS"] = json.dumps(options)
+    env.pop("PYTHONPATH", None)
+    cmd = [str(binary), "-f", str(REPO_ROOT / "perf" / "locustfile.py"), "--headless", "-u", str(users), "-r", str(users),
+           "--run-time", f"{run_time_s}s", "--stop-timeout", "10", "--host", url, "--csv", str(prefix), "--only-summary",
+           "--loglevel", "WARNING"]
+    proc = subprocess.Popen(cmd, env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=run_time_s + 90)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        raise RuntimeError("locust did not stop in time; killed. Output tail:\n" + "\n".join(output.splitlines()[-15:]))
+    stats = prefix.with_name("locust_stats.csv")
+    if not stats.exists():
+        raise RuntimeError(f"locust wrote no statistics (exit {proc.returncode}):\n" + "\n".join(output.splitlines()[-15:]))
+    return {"exit_code": proc.returncode, "rows": parse_locust_csv(stats), "command": " ".join(cmd[1:])}
+
+
+def parse_locust_csv(path: Path) -> list:
+    rows = []
+    with open(path, newline="") as f:
+        for r in csv.DictReader(f):
+            num = lambda k: float(r[k]) if r.get(k) not in (None, "", "N/A") else None  # noqa: E731
+            rows.append({
+                "name": r["Name"], "requests": int(r["Request Count"]), "failures": int(r["Failure Count"]),
+                "requests_per_s": num("Requests/s"), "p50_ms": num("50%"), "p95_ms": num("95%"), "p99_ms": num("99%"),
+                "avg_ms": num("Average Response Time"),
+            })
+    return rows
+
+
+# --------------------------------------------------------------------------------------------
+# main
+# --------------------------------------------------------------------------------------------
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m perf.served", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--checkpoint", default=str(DEFAULT_CHECKPOINT), help="model checkpoint (default: the demo's)")
+    ap.add_argument("--data", default="synthetic", help="data set the checkpoint was trained on (real user histories)")
+    ap.add_argument("--max-users", type=int, default=None, help="load only the first N users (as the checkpoint was trained)")
+    ap.add_argument("--history", type=int, default=512, help="history length of (c), capped at the model's max")
+    ap.add_argument("--open-history", type=int, default=50, help="events in the first request of a perf_analyzer sequence")
+    ap.add_argument("--steps", type=int, default=10, help="requests per perf_analyzer sequence (1 open + appends)")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--beam-width", type=int, default=50, help="beams = candidates ranked in (a) and (b)")
+    ap.add_argument("--mode", default="pfa")
+    ap.add_argument("--pfa-k", type=int, default=64)
+    ap.add_argument("--top-k", type=int, default=10)
+    ap.add_argument("--requests", type=int, default=100, help="requests per kind in (b) and (c)")
+    ap.add_argument("--ranker-backend", default="torch", choices=["auto", "torch", "onnx"],
+                    help="served ranker runtime (torch = the same computation as in-process)")
+    ap.add_argument("--torch-threads", type=int, default=1, help="per served instance, and in-process")
+    ap.add_argument("--locust", action="store_true", help="also run locust headless (needs .venv-locust)")
+    ap.add_argument("--locust-bin", default=None)
+    ap.add_argument("--locust-users", type=int, default=4)
+    ap.add_argument("--locust-seconds", type=int, default=30)
+    ap.add_argument("--quick", action="store_true", help="short runs (concurrency 1,2,4; few requests)")
+    ap.add_argument("--out", default=None)
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    from backend_src.config import DecodeOptions
+    from backend_src.data import load_dataset
+    from backend_src.model.recommender import GenerativeRecommender
+    from clients.served_eval import local_server
+    from export.triton_configs import ServingOptions
+
+    if not Path(a.checkpoint).exists():
+        log(f"no checkpoint at {a.checkpoint}: run `make demo` (or export.train) first, or pass --checkpoint")
+        return 2
+    if a.quick:
+        a.concurrency = [c for c in a.concurrency if c <= 4]
+        a.requests = min(a.requests, 20)
+        a.locust_seconds = min(a.locust_seconds, 15)
+    interval_ms = 2000 if a.quick else 5000
+    model = GenerativeRecommender.load(a.checkpoint)
+    data = load_dataset(a.data, max_users=a.max_users)
+    max_len = model.cfg.max_seq_len
+    open_hist = min(a.open_history, max_len - 1)
+    long_n = min(a.history, max_len)
+    options = dict(top_k=a.top_k, beam_width=a.beam_width, mode=a.mode, pfa_k=a.pfa_k, pfa_r=0.5, selection_step=1)
+    long_options = dict(options, beam_width=100)
+    decode = lambda o: DecodeOptions(mode=o["mode"], beam_width=o["beam_width"], k=o["pfa_k"], r=o["pfa_r"], selection_step=o["selection_step"])  # noqa: E731
+    serving = ServingOptions(decode=decode(options), top_k=a.top_k, ranker_backend=a.ranker_backend, torch_threads=a.torch_threads,
+                             idle_timeout_s=120)
+    result: dict = {"checkpoint": str(a.checkpoint), "data": data.name, "model": {"max_seq_len": max_len, "d_model": model.cfg.d_model,
+                    "layers": model.cfg.num_layers, "items": model.cfg.num_items}, "options": options,
+                    "serving": {"ranker_backend": a.ranker_backend, "torch_threads": a.torch_threads, "instances_per_model": 1}}
+    rows = []
+    work = Path(tempfile.mkdtemp(prefix="genrec-perf-", dir=REPO_ROOT / "runs" if (REPO_ROOT / "runs").is_dir() else None))
+    try:
+        streams = session_streams(data, 64, open_hist, a.steps - 1)
+        if not streams:
+            raise SystemExit(f"no user of {data.name} has {a.steps + 1} events: lower --steps")
+        log(f"starting tritonserver ({a.checkpoint}) ...")
+        t0 = time.monotonic()
+        with local_server(a.checkpoint, serving, export_ranker=a.ranker_backend != "torch") as server:
+            log(f"server ready in {time.monotonic() - t0:.1f} s at {server.grpc_url}")
+            url = server.grpc_url
+
+            # (a) perf_analyzer over sequences of real sessions
+            input_json = work / "perf_input.json"
+            input_json.write_text(json.dumps(sequence_input_data(streams, options)))
+            env = perf_analyzer_env(work / "lib")
+            ok, why = perf_analyzer_usable(env)
+            pa_rows = []
+            if not ok:
+                log(f"perf_analyzer skipped: {why}")
+                result["perf_analyzer"] = {"skipped": why}
+            else:
+                for i, c in enumerate(a.concurrency):
+                    log(f"perf_analyzer concurrency {c} ...")
+                    try:
+                        row = run_perf_analyzer(url, input_json, c, a.steps, env, work / f"pa_c{c}.csv", interval_ms,
+                                                id_start=1_000_000 * (i + 1))
+                    except (RuntimeError, subprocess.TimeoutExpired) as e:
+                        log(str(e))
+                        pa_rows.append({"concurrency": c, "error": str(e)[-500:]})
+                        continue
+                    pa_rows.append(row)
+                    rows.append({"part": "a", "what": f"perf_analyzer sequences, concurrency {c}", **{k: row[k] for k in
+                                 ("concurrency", "throughput_per_s", "p50_ms", "p95_ms", "p99_ms")}})
+                result["perf_analyzer"] = {"rows": pa_rows, "sequence": {"steps": a.steps, "open_events": f"<= {open_hist}",
+                                           "append_events": 1, "sessions": len(streams)}, "interval_ms": interval_ms}
+
+            # (b) Triton overhead: the same work in-process vs served at concurrency 1
+            events = long_history(data, open_hist)
+            log(f"in-process vs served, history {open_hist}, {a.requests} requests per kind ...")
+            local = in_process_latency(model, events, decode(options), a.top_k, a.requests, a.torch_threads)
+            served = served_latency(url, events, options, a.requests)
+            overhead = []
+            for kind, what in (("open", f"open: encode {open_hist} events + retrieve + rank"),
+                               ("append", f"append 1 event to {open_hist - 1} cached + retrieve + rank"),
+                               ("cached", f"recommend on {open_hist} cached events")):
+                lp, sp = pct(local[kind]), pct(served[kind])
+                overhead.append({"kind": kind, "what": what, "in_process_p50_ms": lp["p50_ms"], "served_p50_ms": sp["p50_ms"],
+                                 "overhead_p50_ms": sp["p50_ms"] - lp["p50_ms"], "in_process": lp, "served": sp})
+                rows.append({"part": "b", "what": what, "concurrency": 1, "p50_ms": sp["p50_ms"], "p95_ms": sp["p95_ms"],
+                             "p99_ms": sp["p99_ms"], "in_process_p50_ms": lp["p50_ms"], "overhead_p50_ms": sp["p50_ms"] - lp["p50_ms"]})
+            result["overhead"] = {"history": open_hist, "requests": a.requests, "rows": overhead}
+
+            # (c) one request at a long history, beam 100, top 10
+            events = long_history(data, long_n)
+            log(f"history {long_n}, beam 100, top {a.top_k}: {a.requests} requests ...")
+            served = served_latency(url, events, long_options, a.requests)
+            local = in_process_latency(model, events, decode(long_options), a.top_k, max(3, a.requests // 4), a.torch_threads)
+            long_rows = []
+            for kind, what in (("open", f"open: encode {long_n} events + beam 100 + rank 100"),
+                               ("cached", f"recommend on {long_n} cached events, beam 100 + rank 100"),
+                               ("append", f"append 1 event to {long_n - 1} cached, beam 100 + rank 100")):
+                sp, lp = pct(served[kind]), pct(local[kind])
+                long_rows.append({"kind": kind, "what": what, "served": sp, "in_process": lp})
+                rows.append({"part": "c", "what": what, "concurrency": 1, "p50_ms": sp["p50_ms"], "p95_ms": sp["p95_ms"],
+                             "p99_ms": sp["p99_ms"], "in_process_p50_ms": lp["p50_ms"], "overhead_p50_ms": sp["p50_ms"] - lp["p50_ms"]})
+            result["long_history"] = {"history": long_n, "beam_width": 100, "top_k": a.top_k, "requests": a.requests, "rows": long_rows}
+
+            # (d) locust
+            if a.locust:
+                binary = locust_binary(a.locust_bin)
+                if binary is None:
+                    why = f"no locust: create {LOCUST_VENV.name} (python3 -m venv {LOCUST_VENV.name} && {LOCUST_VENV.name}/bin/pip install -r perf/locust_requirements.txt)"
+                    log(why)
+                    result["locust"] = {"skipped": why}
+                else:
+                    sessions_json = work / "locust_sessions.json"
+                    write_locust_sessions(sessions_json, streams)
+                    log(f"locust: {a.locust_users} users for {a.locust_seconds} s ...")
+                    try:
+                        loc = run_locust(binary, url, sessions_json, options, a.locust_users, a.locust_seconds, work)
+                        result["locust"] = {"users": a.locust_users, "seconds": a.locust_seconds, **loc}
+                        for r in loc["rows"]:
+                            rows.append({"part": "d", "what": f"locust {r['name']} ({a.locust_users} users)", "concurrency": a.locust_users,
+                                         "throughput_per_s": r["requests_per_s"], "p50_ms": r["p50_ms"], "p95_ms": r["p95_ms"],
+                                         "p99_ms": r["p99_ms"], "failures": r["failures"]})
+                    except RuntimeError as e:
+                        log(str(e))
+                        result["locust"] = {"error": str(e)[-800:]}
+            result["host_load"] = list(os.getloadavg())
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+    out = Path(a.out or RESULTS_DIR / f"served_{Path(a.data.split(':')[0]).name}{'_quick' if a.quick else ''}.json")
+    write_result(out, rows, quick=a.quick, **result)
+    cols = ["part", "what", "concurrency", "throughput_per_s", "p50_ms", "p95_ms", "p99_ms", "in_process_p50_ms", "overhead_p50_ms"]
+    print(markdown_table(rows, cols, floatfmt=".1f"))
+    print(f"\nresult: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,98 @@
+"""Smoke test of the offline performance harness: every benchmark runs in its tiny --quick
+configuration into a temporary directory; the result files carry provenance, named rows and
+computed ratios, and the report renders. No timing assertions: the numbers mean nothing here."""
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("perf")
+    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
+    subprocess.run(
+        [sys.executable, "-m", "perf.bench", "--quick", "--threads", "1", "--out", str(out)],
+        cwd=REPO_ROOT, env=env, check=True, capture_output=True, text=True, timeout=300,
+    )
+    return out
+
+
+def _load(results: Path, name: str) -> dict:
+    blob = json.loads((results / name).read_text())
+    for key in ("command", "date", "machine", "commit", "rows"):
+        assert key in blob, f"{name} lacks {key}"
+    assert blob["command"].startswith("python -m perf.")
+    assert blob["rows"]
+    for row in blob["rows"]:
+        assert row["dataset"] and row["mode"] and row["model"]
+        assert row["latency_ms_p50"] > 0 and row["reps"] >= 1
+    return blob
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def test_decode_rows(results):
+    blob = _load(results, "decode_latency.json")
+    rows = blob["rows"]
+    modes = {r["mode"] for r in rows}
+    assert {"full", "pfa", "pfa_per_beam", "pfa_no_shrink", "pfa_shared_kv", "pfa_sel0", "pfa_sel2",
+            "pfa_k128", "pfa_k192", "dynamic_topk"} <= modes
+    for r in rows:
+        assert _finite(r["speedup_vs_full"]) and _finite(r["attn_mac_ratio_vs_full"])
+        assert _finite(r["latency_ms_per_user_p50"]) and _finite(r["project_history_ms_p50"])
+        if r["mode"] == "full":
+            assert r["speedup_vs_full"] == 1.0 and r["attn_mac_ratio_vs_full"] == 1.0
+    # the analytical count reproduces the paper's theoretical ratios at its setting
+    ours = blob["paper"]["our_count_at_paper_setting"]
+    assert abs(ours["full_vs_pfa"] - 2.65) < 0.02 and abs(ours["dynamic_vs_pfa"] - 1.99) < 0.02
+
+
+def test_ranking_rows(results):
+    rows = _load(results, "ranking_throughput.json")["rows"]
+    naive = [r for r in rows if r["mode"] == "naive_full_forward"]
+    mf = [r for r in rows if r["mode"].startswith("mfalcon_mb")]
+    assert naive and mf
+    assert any("extrapolated_from" in r for r in naive)  # the larger sets scale a measured subset
+    for r in mf:
+        assert _finite(r["candidates_per_s"]) and _finite(r["speedup_vs_naive"])
+        assert _finite(r["speedup_vs_naive_incl_history_encode"])
+        assert r["max_abs_diff_vs_naive"] < 1e-3  # the same scores both ways
+
+
+def test_caching_rows(results):
+    rows = _load(results, "caching.json")["rows"]
+    appends = [r for r in rows if r["mode"].startswith("append_")]
+    assert {r["new_events"] for r in appends} >= {1}
+    assert {r["users"] for r in appends} >= {1}
+    for r in appends:
+        assert _finite(r["speedup_vs_forward"]) and r["max_abs_diff"] < 1e-4
+
+
+def test_report(results):
+    text = (results / "RESULTS.md").read_text()
+    for heading in ("Decode latency", "Ranking throughput", "Incremental encoding"):
+        assert heading in text
+    for png in ("decode_latency.png", "ranking_throughput.png", "caching.png"):
+        assert (results / png).stat().st_size > 1000
+
+
+def test_mac_count_rules():
+    from perf.bench_decode import attention_macs
+
+    full = attention_macs("full", 512, 100, 2, 32, 256, 1.0, 1)
+    pfa = attention_macs("pfa", 512, 100, 2, 32, 256, 0.5, 1)
+    # step 0: 1 beam over 512 rows; steps 1..3: 100 beams; QK + AV, 2 heads x 32 dims
+    assert full["attn_macs"] == 2 * 32 * 2 * (512 + 3 * 100 * 512)
+    assert pfa["attn_macs"] == 2 * 32 * (2 * 512 + 100 * (512 + 256) + 100 * 2 * 128 + 100 * 2 * 64)
+    # a history shorter than k reads every row: no savings after selection
+    short = attention_macs("pfa", 128, 100, 2, 32, 256, 1.0, 1)
+    assert short["attn_macs"] == attention_macs("full", 128, 100, 2, 32, 256, 1.0, 1)["attn_macs"]
