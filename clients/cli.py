@@ -1,0 +1,107 @@
+"""Command line for the served recommender; every command prints JSON.
+
+    python -m clients.cli --url localhost:8001 open --session u1 --items 1 2 3 [--actions 5 4 5] [--timestamps ...]
+    python -m clients.cli append --session u1 --items 4 [--timestamps ...] [--top-k 5]
+    python -m clients.cli recommend --session u1 [--top-k 5 --beam-width 50 --mode pfa]
+    python -m clients.cli close --session u1
+    python -m clients.cli health
+
+A session id made of digits is sent as an integer id, anything else as a string id (at most
+128 characters). Sessions live on the server, so separate invocations continue one session.
+Exit status: 0 ok, 1 refused request (the JSON names the gRPC status and the server's message),
+2 session lost (open it again with its full history), 3 server or models not ready.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from clients.client import RecommenderClient, RecommenderError, SessionLost
+
+
+def _session(value: str):
+    return int(value) if value.lstrip("-").isdigit() else value
+
+
+def _add_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--beam-width", type=int, default=None)
+    p.add_argument("--mode", default=None, help="full | pfa | pfa_per_beam | dynamic_topk")
+    p.add_argument("--pfa-k", type=int, default=None)
+    p.add_argument("--pfa-r", type=float, default=None)
+    p.add_argument("--selection-step", type=int, default=None)
+
+
+def _add_events(p: argparse.ArgumentParser, required: bool) -> None:
+    p.add_argument("--items", nargs="+" if required else "*", required=required, default=[], help="raw item ids, oldest first")
+    p.add_argument("--actions", nargs="*", type=int, default=None, help="action id per event (default 0 = none)")
+    p.add_argument("--timestamps", nargs="*", type=int, default=None, help="seconds per event (default: now)")
+
+
+def _options(a) -> dict:
+    return {
+        k: getattr(a, k)
+        for k in ("top_k", "beam_width", "mode", "pfa_k", "pfa_r", "selection_step")
+        if getattr(a, k, None) is not None
+    }
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m clients.cli", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--url", default="localhost:8001", help="gRPC address of the server")
+    ap.add_argument("--model", default="recommend")
+    ap.add_argument("--timeout", type=float, default=60.0, help="seconds per request")
+    sub = ap.add_subparsers(dest="command", required=True)
+    for name, help_, events in (
+        ("open", "start a session with the user's history", "required"),
+        ("append", "add events to a session and get recommendations", "optional"),
+        ("recommend", "recommendations for a session's current history", None),
+    ):
+        p = sub.add_parser(name, help=help_)
+        p.add_argument("--session", required=True, type=_session)
+        if events:
+            _add_events(p, required=events == "required")
+        _add_options(p)
+    p = sub.add_parser("close", help="end a session (the server frees its history)")
+    p.add_argument("--session", required=True, type=_session)
+    sub.add_parser("health", help="server and model readiness, versions")
+    return ap
+
+
+def run(a) -> tuple[int, dict]:
+    client = RecommenderClient(a.url, model=a.model, timeout_s=a.timeout, keep_history=False)
+    try:
+        if a.command == "health":
+            h = client.health()
+            return (0 if h.get("ready") else 3), h
+        try:
+            if a.command == "open":
+                rec = client.open_session(a.session, a.items, a.actions, a.timestamps, **_options(a))
+            elif a.command == "append":
+                rec = client.append(a.session, a.items, a.actions, a.timestamps, **_options(a))
+            elif a.command == "recommend":
+                rec = client.recommend(a.session, **_options(a))
+            else:
+                closed = client.close_session(a.session)
+                return 0, {"session": a.session, "closed": closed, **({} if closed else {"note": "the server no longer had this session"})}
+        except SessionLost as e:
+            return 2, {"session": a.session, "error": "session_lost", "status": e.status, "message": e.message}
+        except RecommenderError as e:
+            return 1, {"session": a.session, "error": "request_refused", "status": e.status, "message": e.message}
+        except ValueError as e:  # bad arguments caught before sending
+            return 1, {"session": a.session, "error": "bad_arguments", "message": str(e)}
+        return 0, {"session": a.session, **rec.to_dict()}
+    finally:
+        client.close()
+
+
+def main(argv=None) -> int:
+    a = build_parser().parse_args(argv)
+    code, out = run(a)
+    print(json.dumps(out, indent=2, default=float))
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,175 @@
+"""The client side against a real Triton Inference Server: the client library (sessions,
+errors, session loss and restart), the command line, the replay service, quality through the
+served path (served == offline) and a perf_analyzer smoke run.
+
+The served model is a TINY, UNTRAINED GenerativeRecommender over a small synthetic data set's
+items (random weights, random unique semantic IDs): the tests check plumbing, not quality.
+No timing assertions.
+"""
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from backend_src.config import DecodeOptions, ModelConfig
+from backend_src.results import REPO_ROOT
+
+pytestmark = pytest.mark.server
+pytest.importorskip("tritonclient.grpc")
+
+from clients.client import RecommenderClient, RecommenderError, SessionLost, wire_session_id  # noqa: E402
+
+DATA_SPEC = "synthetic:users=80,items=60,clusters=4,seed=3"
+MAX_HISTORY = 20
+DECODE = DecodeOptions(mode="pfa", beam_width=8, k=8, r=0.5, selection_step=1)
+TOP_K = 5
+OPTIONS = dict(top_k=TOP_K, beam_width=DECODE.beam_width, mode=DECODE.mode, pfa_k=DECODE.k, pfa_r=DECODE.r,
+               selection_step=DECODE.selection_step)
+
+
+def build_tiny_checkpoint(path, data) -> None:
+    from backend_src.model.recommender import GenerativeRecommender
+    from backend_src.model.semantic_ids import SemanticIdCodebook, assign_collision_codes
+
+    g = torch.Generator().manual_seed(0)
+    codebook = SemanticIdCodebook(assign_collision_codes(torch.randint(0, 4, (data.num_items, 3), generator=g)))
+    cfg = ModelConfig(
+        num_items=data.num_items, d_model=16, num_layers=2, num_heads=2, max_seq_len=MAX_HISTORY,
+        codebook_sizes=tuple(int(s) for s in codebook.codebook_sizes), decoder_heads=2, dropout=0.0,
+    )
+    torch.manual_seed(1)
+    GenerativeRecommender(cfg, codebook, list(data.item_ids)).eval().save(path)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    from backend_src.data import load_dataset
+    from backend_src.model.recommender import GenerativeRecommender
+    from backend_src.serving.server import triton_home
+    from clients.served_eval import local_server
+    from export.triton_configs import ServingOptions
+
+    try:
+        triton_home()
+    except RuntimeError as e:
+        pytest.skip(str(e))
+    tmp = tmp_path_factory.mktemp("clients")
+    data = load_dataset(DATA_SPEC)
+    ckpt = tmp / "tiny.pt"
+    build_tiny_checkpoint(ckpt, data)
+    options = ServingOptions(decode=DECODE, top_k=TOP_K, idle_timeout_s=60, max_queue_delay_us=500, ranker_backend="torch")
+    with local_server(ckpt, options, workdir=tmp, export_ranker=False) as server:
+        yield {"url": server.grpc_url, "data": data, "ckpt": ckpt, "model": GenerativeRecommender.load(ckpt), "tmp": tmp}
+
+
+def user_history(data, u):
+    it, ac, ts = data.user_events(u)
+    return [str(x) for x in data.item_ids[it]], ac.tolist(), ts.tolist()
+
+
+def test_session_round_trip(served):
+    items, actions, ts = user_history(served["data"], 0)
+    with RecommenderClient(served["url"]) as c:
+        rec = c.open_session("u-0", items[:4], actions[:4], ts[:4], **OPTIONS)
+        assert rec.history_length == 4 and rec.truncated == 0 and rec.latency_ms > 0
+        assert len(rec.item_ids) == TOP_K and rec.semantic_ids.shape == (TOP_K, 4)
+        assert set(rec.item_ids) <= {str(x) for x in served["data"].item_ids[1:]}
+        assert np.all(np.diff(rec.rank_scores) <= 0)  # best first
+        rec = c.append("u-0", items[4:6], actions[4:6], ts[4:6], **OPTIONS)
+        assert rec.history_length == 6
+        again = c.recommend("u-0", **OPTIONS)  # no new events: same history, same answer
+        assert again.history_length == 6 and again.item_ids == rec.item_ids
+        assert c.history("u-0")[0] == items[:6]
+        assert c.close_session("u-0") is True
+        assert c.close_session("u-0") is False  # already gone: nothing to free
+
+        # an integer session id, and one >= 2**63 (sent as a negative int64)
+        big = (1 << 64) - 5
+        assert wire_session_id(big) == -5
+        assert c.open_session(big, items[:2], actions[:2], ts[:2], top_k=2).history_length == 2
+        assert c.close_session(big)
+
+
+def test_errors_and_session_loss(served):
+    items, actions, ts = user_history(served["data"], 1)
+    with RecommenderClient(served["url"]) as c:
+        with pytest.raises(RecommenderError) as e:
+            c.open_session("bad", [items[0], "no-such-item"], top_k=2)
+        assert e.value.status == "INVALID_ARGUMENT" and "unknown item ids: 'no-such-item'" in e.value.message
+        assert not isinstance(e.value, SessionLost)
+
+        with pytest.raises(SessionLost) as e:  # never opened
+            c.recommend("never-opened")
+        assert e.value.status == "INVALID_ARGUMENT" and "START" in e.value.message and "never-opened" in str(e.value)
+
+        with pytest.raises(ValueError, match="at most 128"):
+            c.recommend("x" * 129)
+        with pytest.raises(ValueError, match="non-zero"):
+            c.recommend(0)
+
+    # the server loses a session (here: ended by another client, as after a model reload):
+    # ensure_session / auto_restart start it again with the history kept client-side
+    other = RecommenderClient(served["url"], keep_history=False)
+    with RecommenderClient(served["url"], auto_restart=True) as c:
+        c.open_session("lost-1", items[:5], actions[:5], ts[:5], **OPTIONS)
+        other.close_session("lost-1")
+        rec = c.append("lost-1", items[5:6], actions[5:6], ts[5:6], **OPTIONS)
+        assert c.restarts == 1 and rec.history_length == 6
+        other.close_session("lost-1")
+        rec = c.ensure_session("lost-1", **OPTIONS)
+        assert c.restarts == 2 and rec.history_length == 6
+        c.close_session("lost-1")
+    other.close()
+
+
+def test_cli_health_and_session(served):
+    run = lambda *args: subprocess.run([sys.executable, "-m", "clients.cli", "--url", served["url"], *args],  # noqa: E731
+                                       cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    r = run("health")
+    assert r.returncode == 0, r.stderr
+    h = json.loads(r.stdout)
+    assert h["ready"] and h["server"]["version"]
+    assert all(m["ready"] and m["versions"] for m in h["models"].values())
+
+    from clients.cli import main
+
+    items, _, _ = user_history(served["data"], 2)
+    assert main(["--url", served["url"], "open", "--session", "cli-1", "--items", *items[:3], "--timestamps", "1", "2", "3", "--top-k", "3"]) == 0
+    assert main(["--url", served["url"], "close", "--session", "cli-1"]) == 0
+    assert main(["--url", served["url"], "recommend", "--session", "cli-1"]) == 2  # session lost
+
+
+def test_replay_service(served):
+    from clients.replay_service import replay, sessions_from_data
+
+    sessions = sessions_from_data(served["data"], users=4, max_events=12)
+    out = replay(served["url"], sessions, concurrency=2, seconds=5, max_appends=3, **OPTIONS)
+    assert out["errors"] == 0, out["error_examples"]
+    assert out["sessions"] > 0 and out["latency"]["all"]["n"] > 0 and out["hits_checked"] > 0
+    assert 0.0 <= out[f"hit@{TOP_K}"] <= 1.0
+
+
+def test_served_eval_equals_offline(served):
+    from clients.served_eval import served_eval
+
+    res = served_eval(served["model"], served["data"], served["url"], 20, DECODE, top_k=TOP_K, concurrency=2)
+    assert res["users"] == 20
+    assert res["same_list_fraction"] == 1.0, res["different_users"]
+    assert res["served"] == res["offline"]
+
+
+def test_perf_analyzer_smoke(served):
+    from perf.served import perf_analyzer_env, perf_analyzer_usable, run_perf_analyzer, sequence_input_data, session_streams
+
+    env = perf_analyzer_env(served["tmp"] / "pa_lib")
+    ok, why = perf_analyzer_usable(env)
+    if not ok:
+        pytest.skip(f"perf_analyzer cannot run here: {why}")
+    streams = session_streams(served["data"], 8, history=10, appends=3)
+    path = served["tmp"] / "pa_input.json"
+    path.write_text(json.dumps(sequence_input_data(streams, OPTIONS)))
+    row = run_perf_analyzer(served["url"], path, 1, 4, env, served["tmp"] / "pa.csv", request_count=40, timeout_s=120)
+    assert row["concurrency"] == 1 and row["throughput_per_s"] > 0 and row["p50_ms"] > 0
