@@ -61,11 +61,10 @@ def generate(decoder, codebook, states: torch.Tensor, lengths: torch.Tensor, opt
     mode, s, W = options.mode, options.selection_step, options.beam_width
     if options.collect_attention and mode != "full":
         raise ValueError("collect_attention needs mode='full' (the statistics are over full attention)")
-    B, N, _ = states.shape
+    B = states.shape[0]
     T = decoder.num_steps
     dev = states.device
     lengths = lengths.to(dev).long()
-    K, V = decoder.project_history(states)  # [T, B, N, H, dh], once per request
     user_state = states[torch.arange(B, device=dev), (lengths - 1).clamp_min(0)]  # [B, D] last state
 
     # one start beam per user
@@ -74,59 +73,64 @@ def generate(decoder, codebook, states: torch.Tensor, lengths: torch.Tensor, opt
     prefix_emb = torch.zeros(B, 1, decoder.d_model, device=dev, dtype=states.dtype)
     codes = torch.zeros(B, 1, 0, dtype=torch.long, device=dev)
     records = []
-    kept_k = kept_v = kept_len = None  # PFA: gathered K/V of later steps [B, k, H, dh], [B]
+    kept = {}  # PFA: step -> K/V of the kept rows, [B, k, H, dh] each, importance-sorted
+    kept_len = None  # [B]
     beam_order = beam_kept_len = None  # pfa_per_beam: [B, W, k], [B, W]
+    shared_kv = None  # the single K/V pair of a shared-projection decoder
+
+    def kv(t):  # the full-history K/V of step t (computed once; shared decoders have one pair)
+        nonlocal shared_kv
+        if decoder.shared_kv_projection:
+            shared_kv = shared_kv or decoder.project_step(states, t)
+            return shared_kv
+        return decoder.project_step(states, t)
 
     for t in range(T):
         x, q = decoder.query(user_state, prefix_emb, t)  # [B, Wt, D], [B, Wt, H, dh]
         Wt = q.shape[1]
         if mode == "full" or t < s:
+            K, V = kv(t)
             if options.collect_attention:
-                probs = ops.attention_probs(q, K[t], lengths)  # [B, Wt, H, N]
-                attn = torch.einsum("bwhn,bnhd->bwhd", probs, V[t])
+                probs = ops.attention_probs(q, K, lengths)  # [B, Wt, H, N]
+                attn = torch.einsum("bwhn,bnhd->bwhd", probs, V)
                 w = _beam_weights(beam_lp)
                 per_beam = probs.mean(2)
                 records.append(
                     dict(step=t, weights=torch.einsum("bw,bwn->bn", w, per_beam), beam_weights=w, per_beam=per_beam)
                 )
             else:
-                attn = ops.decode_attention(q, K[t], V[t], lengths)
+                attn = ops.decode_attention(q, K, V, lengths)
         elif mode == "pfa":
             if t == s:
                 # one shared ranking from the beams' pooled weights; this step's output reuses them
-                attn, order, kept_len = ops.pfa_select(q, K[t], V[t], lengths, _beam_weights(beam_lp), options.k)
-                later = range(t + 1, T)
-                if decoder.shared_kv_projection:  # one K/V for every step: gather it once
-                    gk, gv = ops.gather_rows(K[t], order), ops.gather_rows(V[t], order)
-                    kept_k = {u: gk for u in later}
-                    kept_v = {u: gv for u in later}
+                K, V = kv(t)
+                attn, order, kept_len = ops.pfa_select(q, K, V, lengths, _beam_weights(beam_lp), options.k)
+                # the kept rows of every later step, gathered once into contiguous memory
+                if decoder.shared_kv_projection:
+                    kept = dict.fromkeys(range(t + 1, T), (ops.gather_rows(K, order), ops.gather_rows(V, order)))
                 else:
-                    kept_k = {u: ops.gather_rows(K[u], order) for u in later}
-                    kept_v = {u: ops.gather_rows(V[u], order) for u in later}
+                    kept_states = ops.gather_rows(states, order)  # [B, k, D]
+                    kept = {u: decoder.project_step(kept_states, u) for u in range(t + 1, T)}
             else:
                 kt = options.budget(t)  # a prefix of the importance-sorted block
-                attn = ops.decode_attention(
-                    q, kept_k[t][:, :kt], kept_v[t][:, :kt], kept_len.clamp(max=kt)
-                )
+                K, V = kept[t]
+                attn = ops.decode_attention(q, K[:, :kt], V[:, :kt], kept_len.clamp(max=kt))
         elif mode == "pfa_per_beam":
-            H, dh = q.shape[2], q.shape[3]
-            qb = q.reshape(B * Wt, 1, H, dh)  # every beam is its own "user"
-            if t == s:
-                kb = K[t][:, None].expand(B, Wt, N, H, dh).reshape(B * Wt, N, H, dh)
-                vb = V[t][:, None].expand(B, Wt, N, H, dh).reshape(B * Wt, N, H, dh)
-                lb = lengths[:, None].expand(B, Wt).reshape(-1)
-                ones = torch.ones(B * Wt, 1, device=dev, dtype=q.dtype)
-                attn, order, kl = ops.pfa_select(qb, kb, vb, lb, ones, options.k)
-                beam_order, beam_kept_len = order.view(B, Wt, -1), kl.view(B, Wt)
+            K, V = kv(t)
+            if t == s:  # every beam ranks the rows by its own weights
+                attn, beam_order = ops.dynamic_topk_attention(q, K, V, lengths, options.k, return_indices=True)
+                beam_kept_len = lengths.clamp(max=beam_order.shape[2])[:, None].expand(B, Wt)
             else:
+                H, dh = q.shape[2], q.shape[3]
                 kt = min(options.budget(t), beam_order.shape[2])
                 rows = beam_order[:, :, :kt].reshape(B, Wt * kt)  # each beam's own prefix
-                kb = ops.gather_rows(K[t], rows).view(B * Wt, kt, H, dh)
-                vb = ops.gather_rows(V[t], rows).view(B * Wt, kt, H, dh)
-                attn = ops.decode_attention(qb, kb, vb, beam_kept_len.clamp(max=kt).reshape(-1))
-            attn = attn.view(B, Wt, H, dh)
+                kb = ops.gather_rows(K, rows).view(B * Wt, kt, H, dh)
+                vb = ops.gather_rows(V, rows).view(B * Wt, kt, H, dh)
+                qb = q.reshape(B * Wt, 1, H, dh)  # every beam is its own "user"
+                attn = ops.decode_attention(qb, kb, vb, beam_kept_len.clamp(max=kt).reshape(-1)).view(B, Wt, H, dh)
         elif mode == "dynamic_topk":
-            attn = ops.dynamic_topk_attention(q, K[t], V[t], lengths, options.budget(t))
+            K, V = kv(t)
+            attn = ops.dynamic_topk_attention(q, K, V, lengths, options.budget(t))
         else:
             raise ValueError(f"unknown mode {mode!r}")
 

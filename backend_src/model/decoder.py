@@ -57,6 +57,14 @@ class SemanticIdDecoder(nn.Module):
             k, v = k.expand(shape), v.expand(shape)
         return k, v
 
+    def project_step(self, states: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """states [B, N, D] -> K_t, V_t [B, N, H, dh] of one decoding step. Row-wise, so
+        projecting gathered rows equals gathering projected rows (PFA projects the steps after
+        its selection only for the k kept rows)."""
+        p = self.kv_proj[0 if self.shared_kv_projection else step]
+        kv = p(states).view(*states.shape[:2], 2, self.num_heads, self.head_dim)
+        return kv[:, :, 0], kv[:, :, 1]
+
     # ---- query side ----------------------------------------------------------------------------
     def code_embedding(self, codes: torch.Tensor, level: int) -> torch.Tensor:
         """codes [...] of level `level` -> [..., D] (codes < 0 embed to zero)."""

@@ -81,9 +81,13 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths:
 
     With PFA these rows are the prefix k_t of the gathered, importance-sorted block, so a
     shrinking budget is a shorter prefix and never an index gather.
-    q [B, W, H, d], k/v [B, N, H, d], lengths [B] -> [B, W, H, d].
+    q [B, W, H, d], k/v [B, N, H, d], lengths [B] (>= 1) -> [B, W, H, d].
     """
-    return torch.einsum("bwhn,bnhd->bwhd", attention_probs(q, k, lengths), v)
+    # same math as softmax(q k^T / sqrt(d)) v over valid rows; SDPA's fused CPU path avoids
+    # materializing and permuting the [B, H, W, N] weights
+    valid = _row_mask(lengths, k.shape[1])[:, None, None, :]
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=valid)
+    return out.transpose(1, 2)
 
 
 def pfa_select(
@@ -98,30 +102,35 @@ def pfa_select(
 
     s_i = sum_b w_b * mean_h a_{b,h,i}  (one importance score per history row, shared by all beams)
     order = the `keep` best rows by s, best first.  The step's own output reuses the weights it
-    already computed, restricted to the kept rows and renormalized.
+    already computed, restricted to the kept rows and renormalized (which is the softmax over
+    the kept rows' logits, so it is computed as attention over the gathered rows).
 
     Returns out [B, W, H, d], order [B, keep'] (keep' = min(keep, N); entries past kept_lengths[b]
     are padding), kept_lengths [B] = min(keep, lengths).
     """
-    probs = attention_probs(q, k, lengths)  # [B, W, H, N]
-    scores = torch.einsum("bw,bwn->bn", beam_weights.to(probs.dtype), probs.mean(dim=2))
-    scores = scores.masked_fill(~_row_mask(lengths, k.shape[1]), float("-inf"))
+    B, W, H, d = q.shape
+    N = k.shape[1]
+    valid = _row_mask(lengths, N)
+    # weights in [B, H, W, N] layout, so that pooling over (head, beam) is one batched matvec
+    logits = torch.matmul(q.permute(0, 2, 1, 3), k.permute(0, 2, 3, 1)) * (d**-0.5)
+    probs = torch.softmax(logits.masked_fill_(~valid[:, None, None, :], float("-inf")), dim=-1)
+    pool = (beam_weights.to(probs.dtype) / H)[:, None, :].expand(B, H, W).reshape(B, 1, H * W)
+    scores = torch.bmm(pool, probs.reshape(B, H * W, N)).squeeze(1)  # s_i, [B, N]
+    scores = scores.masked_fill(~valid, float("-inf"))
     keep = min(keep, k.shape[1])
     order = torch.topk(scores, keep, dim=1, sorted=True).indices  # [B, keep]
     kept_lengths = torch.clamp(lengths, max=keep)
-    kept = torch.gather(probs, 3, order[:, None, None, :].expand(*probs.shape[:3], keep))
-    kept = kept * _row_mask(kept_lengths, keep)[:, None, None, :]
-    kept = kept / kept.sum(-1, keepdim=True).clamp_min(1e-30)
-    out = torch.einsum("bwhk,bkhd->bwhd", kept, gather_rows(v, order))
+    out = decode_attention(q, gather_rows(k, order), gather_rows(v, order), kept_lengths)
     return out, order, kept_lengths
 
 
 def dynamic_topk_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, keep: int
-) -> torch.Tensor:
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, keep: int, return_indices: bool = False
+):
     """Baseline: every beam ranks the history by its own head-averaged weights and attends
     (renormalized) over its own top `keep` rows. Same selection rule as PFA, repeated per beam
-    and per step, with scattered rows. q [B,W,H,d], k/v [B,N,H,d] -> [B,W,H,d]."""
+    and per step, with scattered rows. q [B,W,H,d], k/v [B,N,H,d] -> [B,W,H,d]
+    (and the rows each beam chose, [B, W, keep], with return_indices)."""
     probs = attention_probs(q, k, lengths)  # [B, W, H, N]
     keep = min(keep, k.shape[1])
     idx = torch.topk(probs.mean(dim=2), keep, dim=-1).indices  # [B, W, keep]
@@ -129,7 +138,8 @@ def dynamic_topk_attention(
     kept = kept / kept.sum(-1, keepdim=True).clamp_min(1e-30)
     B, W, H, d = q.shape
     rows = torch.gather(v, 1, idx.reshape(B, W * keep)[:, :, None, None].expand(B, W * keep, H, v.shape[-1]))
-    return torch.einsum("bwhk,bwkhd->bwhd", kept, rows.view(B, W, keep, H, v.shape[-1]))
+    out = torch.einsum("bwhk,bwkhd->bwhd", kept, rows.view(B, W, keep, H, v.shape[-1]))
+    return (out, idx) if return_indices else out
 
 
 def gather_rows(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:

@@ -401,12 +401,12 @@ def _beam_rows_attention_kernel(
 
 
 def dynamic_topk_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, keep: int
-) -> torch.Tensor:
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, keep: int, return_indices: bool = False
+):
     """Baseline: every beam ranks the history by its own head-averaged weights and attends
     (renormalized) over its own top `keep` rows. q [B,W,H,d], k/v [B,N,H,d] -> [B,W,H,d]."""
     if _use_reference(q, k, v):
-        return reference.dynamic_topk_attention(q, k, v, lengths, keep)
+        return reference.dynamic_topk_attention(q, k, v, lengths, keep, return_indices)
     B, W, H, D = q.shape
     N = k.shape[1]
     DV = v.shape[-1]
@@ -426,7 +426,7 @@ def dynamic_topk_attention(
         BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV,
         num_warps=4 if row >= 256 else 2,
     )
-    return out
+    return (out, idx) if return_indices else out
 
 
 # --------------------------------------------------------------------------------------------
