@@ -1,11 +1,14 @@
 # The project's commands. `make setup` once, then `make demo`, `make test`, `make bench`.
-PY      ?= .venv/bin/python
-DATA    ?= synthetic
-RUNS    ?= runs
+PY          ?= .venv/bin/python
+DATA        ?= synthetic
+RUNS        ?= runs
+LOCUST_VENV ?= .venv-locust
 export PATH := $(CURDIR)/.venv/bin:$(PATH)
+export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: setup test test-fast demo bench clean
+.PHONY: setup test test-fast demo bench bench-offline bench-served bench-gpu train-beauty train-ml1m ablation-ml1m clean
 
+## setup: the pinned environment (torch 2.13.0 CPU build, Triton server 2.51 from nvidia-pytriton)
 setup: .venv/.installed
 
 .venv/.installed: requirements.txt requirements-nodeps.txt
@@ -15,11 +18,56 @@ setup: .venv/.installed
 	$(PY) -m pip install -q --no-deps -r requirements-nodeps.txt
 	touch $@
 
+$(LOCUST_VENV)/.installed: perf/locust_requirements.txt
+	test -x $(LOCUST_VENV)/bin/python || python3 -m venv $(LOCUST_VENV)
+	$(LOCUST_VENV)/bin/pip install -q -r perf/locust_requirements.txt
+	touch $@
+
+## test: unit, kernel (Triton interpreter) and integration tests against a real tritonserver
 test: setup
 	$(PY) -m pytest -q tests
 
 test-fast: setup
 	$(PY) -m pytest -q tests -m "not server"
+
+## demo: train a small model on $(DATA), publish it, serve it, query it over gRPC, shut down
+demo: setup
+	$(PY) -m clients.demo --data $(DATA) --dir $(RUNS)/demo
+
+## bench: offline benchmarks (decode, ranking, caching), then the served ones (perf_analyzer, locust)
+bench: bench-offline bench-served
+
+bench-offline: setup
+	$(PY) -m perf.bench
+
+# latency does not depend on training: a one-minute ml-1m model gives the 512-event histories
+$(RUNS)/bench/model.pt: | setup
+	$(PY) -m export.train --data ml-1m --max-len 512 --epochs 1 --minutes 1 --max-users 600 \
+		--valid-users 50 --test-users 50 --out $@
+
+bench-served: setup $(LOCUST_VENV)/.installed $(RUNS)/bench/model.pt
+	$(PY) -m perf.served --checkpoint $(RUNS)/bench/model.pt --data ml-1m --max-users 600 \
+		--beam-width 100 --pfa-k 256 $(if $(QUICK),--quick) --locust --locust-bin $(LOCUST_VENV)/bin/locust
+	$(PY) -m perf.report
+
+## on a GPU host: every kernel against the torch reference, bandwidth vs peak
+bench-gpu:
+	python3 perf/gpu_kernels.py --out perf/results
+
+## the README's quality results (long runs)
+train-beauty: setup
+	$(PY) -m export.train --data amazon-beauty --out $(RUNS)/beauty/model.pt --minutes 28 \
+		--results perf/results/quality_beauty.json
+
+train-ml1m: setup
+	$(PY) -m export.train --data ml-1m --max-len 512 --alpha 1.6 --out $(RUNS)/ml1m/model.pt --minutes 25 \
+		--results perf/results/quality_ml1m.json
+	$(PY) -m export.train --data ml-1m --max-len 512 --alpha 1.6 --shared-kv --out $(RUNS)/ml1m-shared/model.pt \
+		--minutes 25 --results perf/results/quality_ml1m_shared_kv.json
+
+ablation-ml1m: setup
+	$(PY) -m export.ablation --data ml-1m --checkpoint $(RUNS)/ml1m/model.pt \
+		--shared-checkpoint $(RUNS)/ml1m-shared/model.pt --out perf/results/ablation_ml1m.json
 
 clean:
 	rm -rf $(RUNS) .pytest_cache

@@ -11,12 +11,7 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime as dt
 import json
-import os
-import platform
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -27,8 +22,8 @@ from tqdm import tqdm
 from backend_src.data import Batch, SequenceData, eval_batches, item_popularity, load_dataset, target_rows, train_batches
 from backend_src.metrics import MetricAccumulator, topk_full_catalog
 from backend_src.model.sasrec import SASRec, SASRecConfig
+from backend_src.results import write_result
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 KS = (5, 10)
 
 
@@ -167,21 +162,6 @@ def run_sasrec(data: SequenceData, args) -> tuple[dict, dict]:
     return test, info
 
 
-# --------------------------------------------------------------------------------------------
-def git_commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return "uncommitted"
-    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "uncommitted"
-
-
-def machine() -> dict:
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
-    return {"cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "gpu": gpu,
-            "platform": platform.platform(), "torch": torch.__version__}
-
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--data", default="amazon-beauty", help="data set name or path")
@@ -219,24 +199,10 @@ def main(argv=None) -> dict:
         rows.append({"dataset": data.name, "model": args.model, "seen_excluded": seen_excluded,
                      **{f"{kind}@{k}": round(m[f"{kind}@{k}"], 5) for k in KS for kind in ("recall", "ndcg")},
                      "users": m["count"]})
-    result = {
-        "command": " ".join([os.path.basename(sys.executable), "-m", "export.baselines"]
-                            + (sys.argv[1:] if argv is None else list(argv))),
-        "date": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "machine": machine(),
-        "git_commit": git_commit(),
-        "dataset": {"name": data.name, "users": data.num_users, "items": data.num_items, "events": data.num_events,
-                    "split": "leave-one-out (test = last, valid = second last)", "ranking": "full catalog"},
-        "model": args.model,
-        "training_time_seconds": info["train_seconds"],
-        "metrics": rows,
-        "details": info,
-    }
-    text = json.dumps(result, indent=2)
-    if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(text + "\n")
+    dataset = {"name": data.name, "users": data.num_users, "items": data.num_items, "events": data.num_events,
+               "split": "leave-one-out (test = last, valid = second last)", "ranking": "full catalog"}
+    extra = dict(dataset_info=dataset, training_time_seconds=info["train_seconds"], details=info)
+    result = write_result(args.out, rows, **extra) if args.out else {"rows": rows, **extra}
     for r in rows:
         print(json.dumps(r))
     return result

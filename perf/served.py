@@ -339,7 +339,7 @@ def parse_args(argv=None):
     ap.add_argument("--pfa-k", type=int, default=64)
     ap.add_argument("--top-k", type=int, default=10)
     ap.add_argument("--requests", type=int, default=100, help="requests per kind in (b) and (c)")
-    ap.add_argument("--ranker-backend", default="torch", choices=["auto", "torch", "onnx"],
+    ap.add_argument("--ranker-backend", default="auto", choices=["auto", "torch", "onnx"],
                     help="served ranker runtime (torch = the same computation as in-process)")
     ap.add_argument("--torch-threads", type=int, default=1, help="per served instance, and in-process")
     ap.add_argument("--locust", action="store_true", help="also run locust headless (needs .venv-locust)")
