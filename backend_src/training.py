@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from backend_src.config import ModelConfig, TrainConfig
-from backend_src.data.sequences import train_batches
+from backend_src.data.sequences import length_bucketed, train_batches
 from backend_src.model.recommender import GenerativeRecommender
 from backend_src.model.semantic_ids import SemanticIdCodebook
 
@@ -107,10 +107,12 @@ def train(
         state.epoch = epoch
         sums: dict = {}
         n = 0
+        # large shuffled batches re-split by length: short histories don't pay for long ones' padding
+        chunk = train_batches(
+            data, tcfg.batch_size * 16, model.cfg.max_seq_len, rng, stochastic_length_alpha=tcfg.stochastic_length_alpha
+        )
         bar = tqdm(
-            train_batches(
-                data, tcfg.batch_size, model.cfg.max_seq_len, rng, stochastic_length_alpha=tcfg.stochastic_length_alpha
-            ),
+            length_bucketed(chunk, tcfg.batch_size, rng),
             desc=f"epoch {epoch}",
             leave=False,
             mininterval=2.0,
@@ -125,7 +127,7 @@ def train(
             state.step += 1
             n += 1
             for k, v in parts.items():
-                sums[k] = sums.get(k, 0.0) + float(v)
+                sums[k] = sums.get(k, 0.0) + float(v.detach())
             if state.step % 20 == 0:
                 bar.set_postfix({k: f"{v / n:.3f}" for k, v in sums.items()})
             if time.time() > deadline:

@@ -52,7 +52,7 @@ def local_server(checkpoint, options=None, workdir=None, start_timeout_s: float 
             server.stop(grace_s=15)
 
 
-def test_histories(model, data, users: int | None):
+def eval_histories(model, data, users: int | None):
     """Offline evaluation's test histories: (items [B, N], actions, timestamps, lengths, targets)
     as one batch, for the first `users` evaluable users."""
     rows = None if users is None else np.arange(min(users, data.num_users))
@@ -103,7 +103,7 @@ def served_topk(url: str, model, batch, options: DecodeOptions, top_k: int, conc
 
 
 def served_eval(model, data, url: str, users: int | None, options: DecodeOptions, top_k: int = 10, concurrency: int = 4) -> dict:
-    batch = test_histories(model, data, users)
+    batch = eval_histories(model, data, users)
     t0 = time.perf_counter()
     served, lat = served_topk(url, model, batch, options, top_k, concurrency)
     served_s = time.perf_counter() - t0

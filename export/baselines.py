@@ -19,7 +19,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from backend_src.data import Batch, SequenceData, eval_batches, item_popularity, load_dataset, target_rows, train_batches
+from backend_src.data import (
+    Batch, SequenceData, eval_batches, item_popularity, length_bucketed, load_dataset, target_rows, train_batches,
+)
 from backend_src.metrics import MetricAccumulator, topk_full_catalog
 from backend_src.model.sasrec import SASRec, SASRecConfig
 from backend_src.results import write_result
@@ -59,19 +61,6 @@ def evaluate(score_fn, data: SequenceData, split: str, max_len: int, batch_size:
             excl = seen[torch.from_numpy(batch.users)]
             accs["seen_excluded"].update(topk_full_catalog(scores, k, exclude=excl), batch.target_items)
     return {name: acc.compute() for name, acc in accs.items()}
-
-
-def length_bucketed(batches, batch_size: int, rng: np.random.Generator):
-    """Re-split large shuffled training batches into `batch_size` rows of similar length, each cut to
-    its longest row, in random order: most Beauty histories are short, so this skips most padding."""
-    for big in batches:
-        order = torch.from_numpy(np.argsort(big.lengths.numpy(), kind="stable"))
-        parts = list(order.split(batch_size))
-        for i in rng.permutation(len(parts)):
-            idx = parts[i]
-            width = max(int(big.lengths[idx].max()), 1)
-            yield Batch(big.items[idx, :width], big.actions[idx, :width], big.timestamps[idx, :width],
-                        big.lengths[idx], big.targets[idx, :width], None, big.users[idx.numpy()])
 
 
 # --------------------------------------------------------------------------------------------

@@ -38,7 +38,7 @@ class ServingOptions:
     ranker_max_batch_size: int = 16
     max_queue_delay_us: int = 1000
     # request defaults and limits
-    decode: DecodeOptions = field(default_factory=lambda: DecodeOptions(mode="pfa", beam_width=32, k=64, r=0.5, selection_step=1))
+    decode: DecodeOptions = field(default_factory=DecodeOptions)  # seed 000: pfa, beam 100, k 256, r 0.5, s 1
     top_k: int = 10
     max_top_k: int = 256
     max_beam_width: int = 1024

@@ -113,6 +113,19 @@ def train_batches(data: SequenceData, batch_size: int, max_len: int, rng=None,
                     targets=targets, target_items=None, users=u)
 
 
+def length_bucketed(batches, batch_size: int, rng: np.random.Generator):
+    """Re-split large shuffled training batches into `batch_size` rows of similar length, each cut to
+    its longest row, in random order: most Beauty histories are short, so this skips most padding."""
+    for big in batches:
+        order = torch.from_numpy(np.argsort(big.lengths.numpy(), kind="stable"))
+        parts = list(order.split(batch_size))
+        for i in rng.permutation(len(parts)):
+            idx = parts[i]
+            width = max(int(big.lengths[idx].max()), 1)
+            yield Batch(big.items[idx, :width], big.actions[idx, :width], big.timestamps[idx, :width],
+                        big.lengths[idx], big.targets[idx, :width], None, big.users[idx.numpy()])
+
+
 def _fit(rows: np.ndarray, width: int) -> np.ndarray:
     """Pad (with row 0) or cut a [B, w] row matrix to [B, width]."""
     if rows.shape[1] >= width:
