@@ -55,8 +55,11 @@ def evaluate(
         orders = {"retrieval": (beams.item_ids, beams.log_probs)}
         if rank:
             t0 = time.perf_counter()
-            orders["ranked"] = (beams.item_ids, model.rank(cache, beams.item_ids))
+            rank_scores = model.rank(cache, beams.item_ids)
             t_rank += time.perf_counter() - t0
+            orders["ranked"] = (beams.item_ids, rank_scores)
+            # product of the two experts: ranker logit + retrieval log-probability
+            orders["fused"] = (beams.item_ids, rank_scores + beams.log_probs)
         if dense:
             scores = cache.states[torch.arange(len(batch.lengths)), batch.lengths - 1] @ model.backbone.item_embedding.weight.T
             scores[:, 0] = float("-inf")

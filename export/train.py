@@ -19,6 +19,7 @@ from backend_src.evaluation import evaluate
 from backend_src.model.recommender import GenerativeRecommender
 from backend_src.results import write_result
 from backend_src.training import build_model, train
+from export.evaluate import result_rows
 
 # Sizes that fit each data set on 2 CPU cores (overridable by flags).
 PRESETS = {
@@ -95,12 +96,7 @@ def main(argv=None):
     state = train(model, data, tcfg, minutes=args.minutes, evaluate_fn=valid_metric, checkpoint_path=args.out)
     best = GenerativeRecommender.load(args.out)
     test = evaluate(best, data, "test", DecodeOptions(mode="pfa", beam_width=args.beam), max_users=args.test_users)
-    rows = [
-        {"dataset": data.name, "model": f"hstu-{order}", "mode": "pfa", "seen_excluded": seen == "seen_excluded", **m}
-        for key, m in test.items()
-        if key != "timing"
-        for order, seen in [key.split("/")]
-    ]
+    rows = result_rows(data.name, test, "pfa")
     out = Path(args.results or Path(args.out).with_suffix(".results.json"))
     write_result(
         out, rows, config=cfg.to_dict(), train=vars(tcfg), train_seconds=state.seconds, epochs_run=state.epoch + 1,

@@ -1,0 +1,52 @@
+"""Evaluate a checkpoint over the full item catalog (test split by default).
+
+    python -m export.evaluate --checkpoint runs/beauty/model.pt --data amazon-beauty \
+        --out perf/results/quality_beauty_eval.json
+
+Orders reported: retrieval (beam log-probability), ranked (M-FALCON score over the beams),
+fused (ranker logit + retrieval log-probability) and dense (the auxiliary head, a diagnostic),
+each with already-seen items included and excluded.
+"""
+from __future__ import annotations
+
+import argparse
+
+from backend_src.config import DecodeOptions
+from backend_src.data.loaders import load_dataset
+from backend_src.evaluation import evaluate
+from backend_src.model.recommender import GenerativeRecommender
+from backend_src.results import markdown_table, write_result
+
+
+def result_rows(dataset: str, results: dict, mode: str) -> list[dict]:
+    return [
+        {"dataset": dataset, "model": f"hstu-{order}", "mode": mode, "seen_excluded": seen == "seen_excluded", **m}
+        for key, m in results.items()
+        if key != "timing"
+        for order, seen in [key.split("/")]
+    ]
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", required=True)
+    p.add_argument("--data", required=True)
+    p.add_argument("--split", default="test", choices=["test", "valid"])
+    p.add_argument("--mode", default="pfa")
+    p.add_argument("--beam", type=int, default=100)
+    p.add_argument("--k", type=int, default=256)
+    p.add_argument("--max-users", type=int)
+    p.add_argument("--out")
+    args = p.parse_args(argv)
+    model = GenerativeRecommender.load(args.checkpoint)
+    data = load_dataset(args.data)
+    opts = DecodeOptions(mode=args.mode, beam_width=args.beam, k=args.k)
+    res = evaluate(model, data, args.split, opts, max_users=args.max_users)
+    rows = result_rows(data.name, res, args.mode)
+    if args.out:
+        write_result(args.out, rows, checkpoint=args.checkpoint, split=args.split, timing=res["timing"])
+    print(markdown_table(rows, ["model", "seen_excluded", "recall@5", "ndcg@5", "recall@10", "ndcg@10"]))
+
+
+if __name__ == "__main__":
+    main()
