@@ -6,7 +6,7 @@ LOCUST_VENV ?= .venv-locust
 export PATH := $(CURDIR)/.venv/bin:$(PATH)
 export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: setup test test-fast demo bench bench-offline bench-served bench-gpu train-beauty train-ml1m ablation-ml1m clean
+.PHONY: setup test test-fast demo bench bench-offline bench-served bench-gpu check-triton36 train-beauty train-ml1m ablation-ml1m clean
 
 ## setup: the pinned environment (torch 2.13.0 CPU build, Triton server 2.51 from nvidia-pytriton)
 setup: .venv/.installed
@@ -49,6 +49,11 @@ bench-served: setup $(LOCUST_VENV)/.installed $(RUNS)/bench/model.pt
 	$(PY) -m perf.served --checkpoint $(RUNS)/bench/model.pt --data ml-1m --max-users 600 \
 		--beam-width 100 --pfa-k 256 $(if $(QUICK),--quick) --locust --locust-bin $(LOCUST_VENV)/bin/locust
 	$(PY) -m perf.report
+
+## the kernels under triton 3.6 (the GPU host's release): interpreter tests + sm_90 compile
+check-triton36: setup
+	$(PY) -m pip install -q --no-deps --target $(RUNS)/triton36 triton==3.6.0
+	PYTHONPATH=$(RUNS)/triton36 $(PY) -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_kernels_compile.py
 
 ## on a GPU host: every kernel against the torch reference, bandwidth vs peak
 bench-gpu:

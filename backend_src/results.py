@@ -41,7 +41,14 @@ def machine() -> dict:
 
 
 def command_line() -> str:
-    return " ".join([Path(sys.executable).name, *sys.argv]) if sys.argv else ""
+    """The command as typed: `python -m package.module args` for modules of this repository."""
+    if not sys.argv:
+        return ""
+    script, args = Path(sys.argv[0]).resolve(), sys.argv[1:]
+    if script.suffix == ".py" and REPO_ROOT in script.parents:
+        module = ".".join(script.relative_to(REPO_ROOT).with_suffix("").parts)
+        return " ".join(["python", "-m", module, *args])
+    return " ".join(["python", *sys.argv])
 
 
 def write_result(path, rows: list[dict], *, command: str | None = None, **extra) -> dict:
@@ -56,7 +63,9 @@ def write_result(path, rows: list[dict], *, command: str | None = None, **extra)
     }
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(blob, indent=2, default=float) + "\n")
+    # paths inside the repository are written relative to it: results don't name this machine
+    text = json.dumps(blob, indent=2, default=float).replace(str(REPO_ROOT) + os.sep, "")
+    path.write_text(text + "\n")
     return blob
 
 
