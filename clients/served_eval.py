@@ -61,7 +61,7 @@ def eval_histories(model, data, users: int | None):
     return b
 
 
-def offline_topk(model, batch, options: DecodeOptions, top_k: int, batch_size: int = 64) -> torch.Tensor:
+def offline_topk(model, batch, options: DecodeOptions, top_k: int, batch_size: int = 64, rank_by: str = "fused") -> torch.Tensor:
     """[B, top_k] item indices from GenerativeRecommender.recommend (0 = empty slot)."""
     out = []
     with torch.no_grad():
@@ -69,7 +69,7 @@ def offline_topk(model, batch, options: DecodeOptions, top_k: int, batch_size: i
             sl = slice(s, s + batch_size)
             n = int(batch.lengths[sl].max())
             cache = model.encode(batch.items[sl, :n], batch.actions[sl, :n], batch.timestamps[sl, :n], batch.lengths[sl])
-            rec = model.recommend(cache, options, top_k=top_k)
+            rec = model.recommend(cache, options, top_k=top_k, rank_by=rank_by)
             out.append(rec.items)
     return torch.cat(out)
 
@@ -102,13 +102,15 @@ def served_topk(url: str, model, batch, options: DecodeOptions, top_k: int, conc
     return ranked, latencies
 
 
-def served_eval(model, data, url: str, users: int | None, options: DecodeOptions, top_k: int = 10, concurrency: int = 4) -> dict:
+def served_eval(model, data, url: str, users: int | None, options: DecodeOptions, top_k: int = 10, concurrency: int = 4,
+                rank_by: str = "fused") -> dict:
+    """The server must serve `model` with the same rank_by (ServingOptions.rank_by)."""
     batch = eval_histories(model, data, users)
     t0 = time.perf_counter()
     served, lat = served_topk(url, model, batch, options, top_k, concurrency)
     served_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    offline = offline_topk(model, batch, options, top_k)
+    offline = offline_topk(model, batch, options, top_k, rank_by=rank_by)
     offline_s = time.perf_counter() - t0
     same = (served == offline).all(dim=1)
     ks = tuple(k for k in KS if k <= top_k) or (top_k,)
@@ -134,12 +136,13 @@ def main(argv=None) -> int:
     where.add_argument("--url", default=None, help="gRPC address of a server already serving this checkpoint")
     where.add_argument("--start-server", action="store_true", help="start a server on a temporary repository (default without --url)")
     ap.add_argument("--top-k", type=int, default=10)
-    ap.add_argument("--beam-width", type=int, default=50)
+    ap.add_argument("--beam-width", type=int, default=100)
     ap.add_argument("--mode", default="pfa")
-    ap.add_argument("--pfa-k", type=int, default=64)
+    ap.add_argument("--pfa-k", type=int, default=256)
     ap.add_argument("--pfa-r", type=float, default=0.5)
     ap.add_argument("--selection-step", type=int, default=1)
     ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--rank-by", default="fused", choices=["ranker", "fused"], help="order of the served top-K")
     ap.add_argument("--out", default=None, help="result JSON (default perf/results/served_eval_<data>.json)")
     a = ap.parse_args(argv)
 
@@ -149,12 +152,12 @@ def main(argv=None) -> int:
     options = DecodeOptions(mode=a.mode, beam_width=a.beam_width, k=a.pfa_k, r=a.pfa_r, selection_step=a.selection_step)
     users = a.users or None
     if a.url:
-        res = served_eval(model, data, a.url, users, options, a.top_k, a.concurrency)
+        res = served_eval(model, data, a.url, users, options, a.top_k, a.concurrency, a.rank_by)
     else:
         from export.triton_configs import ServingOptions
 
-        with local_server(a.checkpoint, ServingOptions(decode=options, top_k=a.top_k)) as server:
-            res = served_eval(model, data, server.grpc_url, users, options, a.top_k, a.concurrency)
+        with local_server(a.checkpoint, ServingOptions(decode=options, top_k=a.top_k, rank_by=a.rank_by)) as server:
+            res = served_eval(model, data, server.grpc_url, users, options, a.top_k, a.concurrency, a.rank_by)
     rows = [{"path": p, **res[p]} for p in ("served", "offline")]
     out = Path(a.out or REPO_ROOT / "perf" / "results" / f"served_eval_{Path(a.data.split(':')[0]).name}.json")
     write_result(out, rows, checkpoint=str(a.checkpoint), data=data.name, users=res["users"], decode=vars(options), top_k=a.top_k,

@@ -44,7 +44,8 @@ def main(argv=None):
     res = evaluate(model, data, args.split, opts, max_users=args.max_users)
     rows = result_rows(data.name, res, args.mode)
     if args.out:
-        write_result(args.out, rows, checkpoint=args.checkpoint, split=args.split, timing=res["timing"])
+        write_result(args.out, rows, checkpoint=args.checkpoint, checkpoint_metadata=getattr(model, "metadata", {}),
+                     config=model.cfg.to_dict(), split=args.split, options=vars(opts), timing=res["timing"])
     print(markdown_table(rows, ["model", "seen_excluded", "recall@5", "ndcg@5", "recall@10", "ndcg@10"]))
 
 

@@ -44,6 +44,7 @@ class ServingOptions:
     max_beam_width: int = 1024
     max_request_events: int = 100_000
     ranker_microbatch: int = 64
+    rank_by: str = "fused"  # order of the top-K: "fused" (M-FALCON logit + retrieval log-prob) or "ranker" (logit)
     ranker_backend: str = "auto"  # auto (TensorRT plan on a GPU > ranker.onnx > torch) | torch | onnx | tensorrt
     torch_threads: int = 1
     code_root: str = str(CODE_ROOT)
@@ -154,7 +155,8 @@ def decoder_config(cfg: ModelConfig, opt: ServingOptions) -> str:
 
 def ranker_config(cfg: ModelConfig, opt: ServingOptions) -> str:
     sizes = P.model_sizes(cfg)
-    params = _common_params(cfg, opt) | {"ranker_microbatch": opt.ranker_microbatch, "ranker_backend": opt.ranker_backend}
+    params = _common_params(cfg, opt) | {"ranker_microbatch": opt.ranker_microbatch, "ranker_backend": opt.ranker_backend,
+                                           "rank_by": opt.rank_by}
     return (
         _header(P.RANKER, opt.ranker_max_batch_size, opt.ranker_instances)
         + _io(P.RANKER_CONTRACT, sizes)
@@ -235,6 +237,7 @@ def add_serving_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--selection-step", type=int, default=d.decode.selection_step)
     ap.add_argument("--top-k", type=int, default=d.top_k)
     ap.add_argument("--ranker-backend", default=d.ranker_backend, choices=["auto", "torch", "onnx", "tensorrt"])
+    ap.add_argument("--rank-by", default=d.rank_by, choices=["ranker", "fused"])
     ap.add_argument("--torch-threads", type=int, default=d.torch_threads)
 
 
@@ -252,6 +255,7 @@ def serving_options_from_args(a: argparse.Namespace) -> ServingOptions:
         decode=DecodeOptions(mode=a.decode_mode, beam_width=a.beam_width, k=a.pfa_k, r=a.pfa_r, selection_step=a.selection_step),
         top_k=a.top_k,
         ranker_backend=a.ranker_backend,
+        rank_by=a.rank_by,
         torch_threads=a.torch_threads,
     )
 

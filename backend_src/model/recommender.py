@@ -111,11 +111,17 @@ class GenerativeRecommender(nn.Module):
         microbatch_size: int = 64,
         exclude_seen: bool = False,
         history_items: torch.Tensor | None = None,  # [B, N] needed when exclude_seen
+        rank_by: str = "fused",
     ) -> Recommendations:
         """Retrieve beam_width candidates by semantic-ID beam search, rank them with M-FALCON
-        against the same cached history, return the top_k by ranking score."""
+        against the same cached history, return the top_k by ranking score ("ranker": the
+        M-FALCON logit; "fused": logit + retrieval log-probability)."""
+        if rank_by not in ("ranker", "fused"):
+            raise ValueError(f"rank_by must be 'ranker' or 'fused', got {rank_by!r}")
         beams = self.retrieve(cache, options)
         scores = self.rank(cache, beams.item_ids, microbatch_size)  # [B, W]; -inf for empty beams
+        if rank_by == "fused":
+            scores = scores + beams.log_probs
         if exclude_seen:
             if history_items is None:
                 raise ValueError("exclude_seen needs history_items")

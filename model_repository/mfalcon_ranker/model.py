@@ -47,6 +47,7 @@ class TritonPythonModel:
         self.max_beams = int(params.get("max_beam_width", 1024))
         self.default_top_k = int(params.get("top_k", 10))
         self.microbatch = int(params.get("ranker_microbatch", 64))
+        self.rank_by = params.get("rank_by", "ranker")
         self.max_elements = max((max_history + 1) * cfg.d_model * cfg.num_layers, self.max_beams * cfg.num_codes)
         self.raw_ids = np.array([b"" if x is None else str(x).encode() for x in self.model.item_ids], dtype=object)
         from backend_src.serving.ranker_runtime import RankerRuntime
@@ -86,8 +87,10 @@ class TritonPythonModel:
         ts = pad([torch.from_numpy(r[2]) for r in reqs], batch_first=True)  # [B, n]
         cands = pad([torch.from_numpy(r[3]).clamp(min=0) for r in reqs], batch_first=True)  # [B, M]; 0 = none, scored -inf
         with torch.inference_mode():
-            scores = self.runtime.score(keys, values, ts, lengths, cands, self.microbatch)
-        return torch.as_tensor(scores).float().cpu().masked_fill(cands == 0, float("-inf"))
+            scores = torch.as_tensor(self.runtime.score(keys, values, ts, lengths, cands, self.microbatch)).float().cpu()
+        if self.rank_by == "fused":  # ranker logit + retrieval log-probability
+            scores = scores + pad([torch.from_numpy(r[4]).float() for r in reqs], batch_first=True, padding_value=float("-inf"))
+        return scores.masked_fill(cands == 0, float("-inf"))
 
     def execute(self, requests):
         P, V, torch = self.P, self.V, self.torch
