@@ -40,14 +40,23 @@ bench: bench-offline bench-served
 bench-offline: setup
 	$(PY) -m perf.bench
 
-# latency does not depend on training: a one-minute ml-1m model gives the 512-event histories
+# the trained ml-1m model when there is one (make train-ml1m); else latency, which does not depend on
+# training, comes from a one-minute ml-1m model over the first 600 users (histories up to 512 events)
+ifneq ($(wildcard $(RUNS)/ml1m/model.pt),)
+BENCH_MODEL := $(RUNS)/ml1m/model.pt
+BENCH_USERS :=
+else
+BENCH_MODEL := $(RUNS)/bench/model.pt
+BENCH_USERS := --max-users 600
+endif
+
 $(RUNS)/bench/model.pt: | setup
 	$(PY) -m export.train --data ml-1m --max-len 512 --epochs 1 --minutes 1 --max-users 600 \
 		--valid-users 50 --test-users 50 --out $@
 
-bench-served: setup $(LOCUST_VENV)/.installed $(RUNS)/bench/model.pt
-	$(PY) -m perf.served --checkpoint $(RUNS)/bench/model.pt --data ml-1m --max-users 600 \
-		--beam-width 100 --pfa-k 256 $(if $(QUICK),--quick) --locust --locust-bin $(LOCUST_VENV)/bin/locust
+bench-served: setup $(LOCUST_VENV)/.installed $(BENCH_MODEL)
+	$(PY) -m perf.served --checkpoint $(BENCH_MODEL) --data ml-1m $(BENCH_USERS) --beam-width 100 --pfa-k 256 \
+		$(if $(QUICK),--quick) --locust --locust-bin $(LOCUST_VENV)/bin/locust --out perf/results/served_ml1m.json
 	$(PY) -m perf.report
 
 ## the kernels under triton 3.6 (the GPU host's release): interpreter tests + sm_90 compile
@@ -61,18 +70,22 @@ bench-gpu:
 
 ## the README's quality results (long runs)
 train-beauty: setup
-	$(PY) -m export.train --data amazon-beauty --out $(RUNS)/beauty/model.pt --minutes 28 \
-		--results perf/results/quality_beauty.json
+	$(PY) -m export.train --data amazon-beauty --out $(RUNS)/beauty/model.pt --minutes 28 --lr 2e-3 --valid-users 1500
+	$(PY) -m export.evaluate --checkpoint $(RUNS)/beauty/model.pt --data amazon-beauty --out perf/results/quality_beauty.json
 
 train-ml1m: setup
-	$(PY) -m export.train --data ml-1m --max-len 512 --alpha 1.6 --out $(RUNS)/ml1m/model.pt --minutes 25 \
-		--results perf/results/quality_ml1m.json
-	$(PY) -m export.train --data ml-1m --max-len 512 --alpha 1.6 --shared-kv --out $(RUNS)/ml1m-shared/model.pt \
-		--minutes 25 --results perf/results/quality_ml1m_shared_kv.json
+	$(PY) -m export.train --data ml-1m --max-len 512 --alpha 1.6 --batch-size 64 --lr 2e-3 --valid-users 600 \
+		--minutes 28 --out $(RUNS)/ml1m/model.pt --results perf/results/quality_ml1m.json
+	$(PY) -m export.train --data ml-1m --max-len 512 --alpha 1.6 --batch-size 64 --lr 2e-3 --valid-users 600 \
+		--minutes 28 --shared-kv --out $(RUNS)/ml1m-shared/model.pt --results perf/results/quality_ml1m_shared_kv.json
 
 ablation-ml1m: setup
 	$(PY) -m export.ablation --data ml-1m --checkpoint $(RUNS)/ml1m/model.pt \
 		--shared-checkpoint $(RUNS)/ml1m-shared/model.pt --out perf/results/ablation_ml1m.json
+	$(PY) -m export.ablation --data ml-1m --checkpoint $(RUNS)/ml1m/model.pt --min-events 256 --no-stats \
+		--shared-checkpoint $(RUNS)/ml1m-shared/model.pt --out perf/results/ablation_ml1m_long.json
+	$(PY) -m export.ablation --data amazon-beauty --checkpoint $(RUNS)/beauty/model.pt --max-users 3000 \
+		--only "PFA (s=1, k=256, r=0.5)" --out perf/results/attention_beauty.json
 
 clean:
 	rm -rf $(RUNS) .pytest_cache
