@@ -224,3 +224,16 @@ def read_input(request, spec: P.TensorSpec, sizes: dict, max_elements: int, get_
 def error_code(status: str, codes) -> int:
     """gRPC status name -> the backend's TritonError code (`codes` = TritonError)."""
     return codes.UNAVAILABLE if status == P.RESOURCE_EXHAUSTED else codes.INVALID_ARG
+
+
+def decode_defaults(params: Mapping) -> DecodeOptions:
+    """A model's default decode options from its config parameters (written by the config
+    generator from ServingOptions.decode); DecodeOptions' own defaults where one is absent."""
+    d = DecodeOptions()
+    return DecodeOptions(
+        mode=params.get("decode_mode", d.mode),
+        beam_width=int(params.get("beam_width", d.beam_width)),
+        k=int(params.get("pfa_k", d.k)),
+        r=float(params.get("pfa_r", d.r)),
+        selection_step=int(params.get("selection_step", d.selection_step)),
+    )

@@ -44,7 +44,6 @@ class TritonPythonModel:
         _import_path(params)
         import torch
 
-        from backend_src.config import DecodeOptions
         from backend_src.model.hstu import HistoryCache
         from backend_src.model.recommender import GenerativeRecommender
         from backend_src.serving import protocol as P
@@ -68,13 +67,7 @@ class TritonPythonModel:
             max_top_k=int(params.get("max_top_k", 256)),
             max_beam_width=int(params.get("max_beam_width", 1024)),
         )
-        self.defaults = DecodeOptions(
-            mode=params.get("decode_mode", "pfa"),
-            beam_width=int(params.get("beam_width", 32)),
-            k=int(params.get("pfa_k", 64)),
-            r=float(params.get("pfa_r", 0.5)),
-            selection_step=int(params.get("selection_step", 1)),
-        )
+        self.defaults = V.decode_defaults(params)
         self.default_top_k = int(params.get("top_k", 10))
         self.store = SessionStore(
             max_bytes=int(params.get("session_max_bytes", 2 << 30)),

@@ -26,7 +26,6 @@ class TritonPythonModel:
             sys.path.insert(0, root)
         import torch
 
-        from backend_src.config import DecodeOptions
         from backend_src.model.hstu import HistoryCache
         from backend_src.model.recommender import GenerativeRecommender
         from backend_src.serving import protocol as P
@@ -48,13 +47,7 @@ class TritonPythonModel:
             max_beam_width=int(params.get("max_beam_width", 1024)),
         )
         self.max_elements = (self.limits.max_history + 1) * cfg.d_model
-        self.defaults = DecodeOptions(
-            mode=params.get("decode_mode", "pfa"),
-            beam_width=int(params.get("beam_width", 32)),
-            k=int(params.get("pfa_k", 64)),
-            r=float(params.get("pfa_r", 0.5)),
-            selection_step=int(params.get("selection_step", 1)),
-        )
+        self.defaults = V.decode_defaults(params)
         self.default_top_k = int(params.get("top_k", 10))
 
     def _read(self, request):
