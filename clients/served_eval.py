@@ -164,7 +164,8 @@ def main(argv=None) -> int:
                  same_list_fraction=res["same_list_fraction"], different_users=res["different_users"],
                  served_latency_ms=res["served_latency_ms"], served_seconds=res["served_seconds"], offline_seconds=res["offline_seconds"])
     print(markdown_table(rows, ["path", "recall@5", "ndcg@5", "recall@10", "ndcg@10"]))
-    print(f"{res['users']} users; served list == offline list for {res['same_list_fraction']:.1%}; "
+    print(f"{res['users']} users; served list == offline list for {round(res['same_list_fraction'] * res['users'])} "
+          f"({res['same_list_fraction']:.3%}); "
           f"served p50 {res['served_latency_ms']['p50']:.1f} ms; result: {out}")
     return 0
 
