@@ -7,11 +7,12 @@ import pytest
 import torch
 
 from backend_src.config import ModelConfig
-from backend_src.model.hstu import HistoryCache, HSTUEncoder
+from backend_src.model.hstu import HistoryCache
 from backend_src.model.ranker import MFalconRanker
 from backend_src.serving.ranker_runtime import INPUT_NAMES, OUTPUT_NAME, RankerRuntime
 from export.onnx_ranker import EXAMPLE_SHAPE, export_ranker_onnx
 from export.tensorrt_ranker import build_tensorrt_plan, tensorrt_available
+from hstu_helpers import make_encoder  # noqa: E402
 
 ort = pytest.importorskip("onnxruntime")
 
@@ -36,14 +37,7 @@ def tiny_config() -> ModelConfig:
 def ranker() -> MFalconRanker:
     """A ranker whose position/time biases are large enough that a wrong index shows."""
     cfg = tiny_config()
-    torch.manual_seed(0)
-    enc = HSTUEncoder(cfg)
-    with torch.no_grad():
-        for layer in enc.layers:
-            layer.pos_bias.normal_(0.0, 1.0)
-            layer.time_bias.normal_(0.0, 1.0)
-        enc.item_embedding.weight[1:].normal_(0.0, 0.3)
-    return MFalconRanker(enc, cfg).eval()
+    return MFalconRanker(make_encoder(cfg), cfg).eval()
 
 
 @pytest.fixture(scope="module")
