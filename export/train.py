@@ -11,7 +11,6 @@ import argparse
 import json
 from pathlib import Path
 
-import torch
 
 from backend_src.config import DecodeOptions, ModelConfig, TrainConfig
 from backend_src.data.loaders import load_dataset
@@ -59,7 +58,6 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     data = load_dataset(args.data, max_users=args.max_users)
     preset = PRESETS.get(Path(args.data.split(":")[0]).name, PRESETS["amazon-beauty"])
     cfg = ModelConfig(

@@ -12,15 +12,15 @@ import sys
 
 import numpy as np
 import pytest
-import torch
 
-from backend_src.config import DecodeOptions, ModelConfig
+from backend_src.config import DecodeOptions
 from backend_src.results import REPO_ROOT
 
 pytestmark = pytest.mark.server
 pytest.importorskip("tritonclient.grpc")
 
 from clients.client import RecommenderClient, RecommenderError, SessionLost, wire_session_id  # noqa: E402
+from serving_helpers import build_tiny_checkpoint  # noqa: E402
 
 DATA_SPEC = "synthetic:users=80,items=60,clusters=4,seed=3"
 MAX_HISTORY = 20
@@ -28,20 +28,6 @@ DECODE = DecodeOptions(mode="pfa", beam_width=8, k=8, r=0.5, selection_step=1)
 TOP_K = 5
 OPTIONS = dict(top_k=TOP_K, beam_width=DECODE.beam_width, mode=DECODE.mode, pfa_k=DECODE.k, pfa_r=DECODE.r,
                selection_step=DECODE.selection_step)
-
-
-def build_tiny_checkpoint(path, data) -> None:
-    from backend_src.model.recommender import GenerativeRecommender
-    from backend_src.model.semantic_ids import SemanticIdCodebook, assign_collision_codes
-
-    g = torch.Generator().manual_seed(0)
-    codebook = SemanticIdCodebook(assign_collision_codes(torch.randint(0, 4, (data.num_items, 3), generator=g)))
-    cfg = ModelConfig(
-        num_items=data.num_items, d_model=16, num_layers=2, num_heads=2, max_seq_len=MAX_HISTORY,
-        codebook_sizes=tuple(int(s) for s in codebook.codebook_sizes), decoder_heads=2, dropout=0.0,
-    )
-    torch.manual_seed(1)
-    GenerativeRecommender(cfg, codebook, list(data.item_ids)).eval().save(path)
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +45,7 @@ def served(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("clients")
     data = load_dataset(DATA_SPEC)
     ckpt = tmp / "tiny.pt"
-    build_tiny_checkpoint(ckpt, data)
+    build_tiny_checkpoint(ckpt, data.item_ids, MAX_HISTORY, seed=1)
     options = ServingOptions(decode=DECODE, top_k=TOP_K, idle_timeout_s=60, max_queue_delay_us=500, ranker_backend="torch")
     with local_server(ckpt, options, workdir=tmp, export_ranker=False) as server:
         yield {"url": server.grpc_url, "data": data, "ckpt": ckpt, "model": GenerativeRecommender.load(ckpt), "tmp": tmp}

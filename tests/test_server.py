@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from backend_src.config import DecodeOptions, ModelConfig
+from backend_src.config import DecodeOptions
 from backend_src.serving import protocol as P
 from backend_src.serving.server import TritonServer, free_port, triton_home
 from export import publish as pub
@@ -21,6 +21,7 @@ from export.triton_configs import ServingOptions
 pytestmark = pytest.mark.server
 grpcclient = pytest.importorskip("tritonclient.grpc")
 from tritonclient.utils import InferenceServerException  # noqa: E402
+from serving_helpers import build_tiny_checkpoint  # noqa: E402
 
 NUM_ITEMS = 60
 MAX_HISTORY = 20
@@ -32,22 +33,6 @@ def item_id(i: int) -> str:
     return f"sku-{i}"
 
 
-def build_tiny_checkpoint(path, seed: int) -> None:
-    """Random-weight model (untrained) with random unique semantic IDs."""
-    from backend_src.model.recommender import GenerativeRecommender
-    from backend_src.model.semantic_ids import SemanticIdCodebook, assign_collision_codes
-
-    g = torch.Generator().manual_seed(0)
-    codebook = SemanticIdCodebook(assign_collision_codes(torch.randint(0, 4, (NUM_ITEMS, 3), generator=g)))
-    cfg = ModelConfig(
-        num_items=NUM_ITEMS, d_model=16, num_layers=2, num_heads=2, max_seq_len=MAX_HISTORY,
-        codebook_sizes=tuple(int(s) for s in codebook.codebook_sizes), decoder_heads=2, dropout=0.0,
-    )
-    torch.manual_seed(seed)
-    model = GenerativeRecommender(cfg, codebook, [None] + [item_id(i) for i in range(1, NUM_ITEMS + 1)]).eval()
-    model.save(path)
-
-
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     try:
@@ -56,8 +41,9 @@ def served(tmp_path_factory):
         pytest.skip(str(e))
     tmp = tmp_path_factory.mktemp("triton")
     ckpt1, ckpt2 = tmp / "v1.pt", tmp / "v2.pt"
-    build_tiny_checkpoint(ckpt1, seed=1)
-    build_tiny_checkpoint(ckpt2, seed=2)
+    item_ids = [None] + [item_id(i) for i in range(1, NUM_ITEMS + 1)]
+    build_tiny_checkpoint(ckpt1, item_ids, MAX_HISTORY, seed=1)
+    build_tiny_checkpoint(ckpt2, item_ids, MAX_HISTORY, seed=2)
     repo = tmp / "model_repository"
     options = ServingOptions(decode=DECODE, top_k=TOP_K, idle_timeout_s=60, max_queue_delay_us=500)
     pub.publish(ckpt1, repo, options)

@@ -286,18 +286,28 @@ def load_movielens(ratings_path, movies_path=None, *, min_events: int = 3,
     movies_path: `MovieID::Title::Genres` (latin-1); defaults to movies.dat next to the ratings.
     """
     ratings_path = Path(ratings_path)
-    table = _Table(ratings_path, _read_text(ratings_path, "latin-1"), "::", 4,
-                   layout="4 fields UserID::MovieID::Rating::Timestamp")
-    users = table.ints(0, "UserID")
-    items = table.ints(1, "MovieID")
-    ratings = table.ints(2, "Rating")
-    ts = table.ints(3, "Timestamp")
-    table.check_range(ratings, 1, 5, "Rating")
-    if movies_path is None and (ratings_path.parent / "movies.dat").exists():
-        movies_path = ratings_path.parent / "movies.dat"
-    item_text = _movielens_titles(Path(movies_path)) if movies_path else None
+    users, items, ratings, ts = _rating_columns(ratings_path, "::", "4 fields UserID::MovieID::Rating::Timestamp",
+                                                ("UserID", "MovieID", "Rating", "Timestamp"))
+    movies_path = _beside(ratings_path, movies_path, "movies.dat")
+    item_text = _movielens_titles(movies_path) if movies_path else None
     return build_sequence_data(name or ratings_path.parent.name, users, items, ratings, ts,
                                item_text=item_text, min_events=min_events, max_users=max_users)
+
+
+def _rating_columns(path: Path, sep: str, layout: str, names: tuple) -> tuple:
+    """user, item, rating (1..5), timestamp integer columns of a MovieLens-style ratings file."""
+    table = _Table(path, _read_text(path, "latin-1"), sep, 4, layout=layout)
+    users, items, ratings, ts = (table.ints(i, name) for i, name in enumerate(names))
+    table.check_range(ratings, 1, 5, names[2])
+    return users, items, ratings, ts
+
+
+def _beside(path: Path, given, default_name: str) -> Path | None:
+    """The companion file given, else `default_name` next to `path` if it exists."""
+    if given is not None:
+        return Path(given)
+    candidate = path.parent / default_name
+    return candidate if candidate.exists() else None
 
 
 def _movielens_titles(path: Path) -> dict:
@@ -316,16 +326,10 @@ def load_ml100k(data_path, item_path=None, *, min_events: int = 3, max_users: in
                 name: str | None = None) -> SequenceData:
     """MovieLens 100K `u.data` (tab separated user item rating timestamp); `u.item` gives titles."""
     data_path = Path(data_path)
-    table = _Table(data_path, _read_text(data_path, "latin-1"), "\t", 4,
-                   layout="4 tab-separated fields user item rating timestamp")
-    users = table.ints(0, "user")
-    items = table.ints(1, "item")
-    ratings = table.ints(2, "rating")
-    ts = table.ints(3, "timestamp")
-    table.check_range(ratings, 1, 5, "rating")
-    if item_path is None and (data_path.parent / "u.item").exists():
-        item_path = data_path.parent / "u.item"
-    item_text = _ml100k_titles(Path(item_path)) if item_path else None
+    users, items, ratings, ts = _rating_columns(data_path, "\t", "4 tab-separated fields user item rating timestamp",
+                                                ("user", "item", "rating", "timestamp"))
+    item_path = _beside(data_path, item_path, "u.item")
+    item_text = _ml100k_titles(item_path) if item_path else None
     return build_sequence_data(name or data_path.parent.name, users, items, ratings, ts,
                                item_text=item_text, min_events=min_events, max_users=max_users)
 
