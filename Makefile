@@ -5,6 +5,11 @@ RUNS        ?= runs
 LOCUST_VENV ?= .venv-locust
 export PATH := $(CURDIR)/.venv/bin:$(PATH)
 export OMP_WAIT_POLICY ?= PASSIVE
+# glibc keeps freed memory for reuse (no first-touch page faults on every large tensor);
+# the same settings as the server's CPU_RUNTIME_ENV
+export MALLOC_MMAP_THRESHOLD_ ?= 33554432
+export MALLOC_TRIM_THRESHOLD_ ?= 4294967296
+export MALLOC_TOP_PAD_ ?= 268435456
 
 .PHONY: setup test test-fast demo bench bench-offline bench-served bench-gpu check-triton36 train-beauty train-ml1m ablation-ml1m clean
 

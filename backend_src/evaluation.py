@@ -61,8 +61,7 @@ def evaluate(
             # product of the two experts: ranker logit + retrieval log-probability
             orders["fused"] = (beams.item_ids, rank_scores + beams.log_probs)
         if dense:
-            scores = cache.states[torch.arange(len(batch.lengths)), batch.lengths - 1] @ model.backbone.item_embedding.weight.T
-            scores[:, 0] = float("-inf")
+            scores = model.dense_scores(cache.states[torch.arange(len(batch.lengths)), batch.lengths - 1])
             top = torch.topk(scores, max(options.beam_width, max(ks)) + batch.items.shape[1], dim=1)
             orders["dense"] = (top.indices, top.values)
         for name, (cands, scores) in orders.items():

@@ -67,7 +67,7 @@ def losses(model: GenerativeRecommender, batch, sampler: NegativeSampler, tcfg: 
     codes = model.codebook.codes[targets]  # [B, N, 4]
     logits = model.decoder.training_logits(cache.states, batch.lengths, codes)
     gen_loss = sum(F.cross_entropy(lt[valid], codes[..., t][valid]) for t, lt in enumerate(logits))
-    out = {"retrieval": gen_loss}
+    out = {"retrieval": tcfg.extra.get("retrieval_weight", 1.0) * gen_loss}
 
     if tcfg.ranker_weight > 0:
         # one random position per user: its next item against sampled negatives
@@ -79,10 +79,7 @@ def losses(model: GenerativeRecommender, batch, sampler: NegativeSampler, tcfg: 
 
     dense_weight = tcfg.extra.get("dense_weight", 1.0)
     if dense_weight > 0:
-        table = model.backbone.item_embedding.weight  # [I+1, D]
-        scores = cache.states[valid] @ table.T
-        scores[:, 0] = float("-inf")
-        out["dense"] = dense_weight * F.cross_entropy(scores, targets[valid])
+        out["dense"] = dense_weight * F.cross_entropy(model.dense_scores(cache.states[valid]), targets[valid])
     return out
 
 

@@ -83,6 +83,29 @@ def test_decoder_codebook_size_mismatch():
         generate(_decoder(other), cb, *_history(), DecodeOptions(mode="full", beam_width=4))
 
 
+@pytest.mark.parametrize("shared", [False, True])
+def test_state_space_attention_equals_projected(shared):
+    """Attending with W_k, W_v folded into the query equals attending over projected rows."""
+    cb = _codebook()
+    dec = _decoder(cb, shared=shared)
+    states, lengths = _history(B=4, N=12)
+    q = torch.randn(4, 3, H, D // H)
+    for t in range(dec.num_steps):
+        K, V = dec.project_step(states, t)
+        want = ops.decode_attention(q, K, V, lengths)
+        torch.testing.assert_close(dec.attend_states(q, states, lengths, t), want, rtol=1e-4, atol=1e-5)
+
+
+def test_code_bias_matches_valid_mask():
+    cb = _codebook()
+    for t in range(4):
+        prefix = torch.arange(-1, cb.child(t).shape[0])
+        bias = cb.code_bias(prefix, t)
+        assert (bias[0] == 0).all()  # dead prefix: finite row (its beam carries -inf)
+        assert torch.equal(bias[1:] == 0, cb.valid_mask(prefix[1:], t))
+        assert torch.isneginf(bias[1:][~cb.valid_mask(prefix[1:], t)]).all()
+
+
 # ---------------------------------------------------------------------------------------------
 # PFA
 # ---------------------------------------------------------------------------------------------
@@ -108,8 +131,8 @@ def test_pfa_reads_budget_prefixes(monkeypatch):
 
     monkeypatch.setattr(ops, "decode_attention", spy)
     generate(dec, cb, states, lengths, DecodeOptions(mode="pfa", beam_width=6, k=8, r=0.5, selection_step=1))
-    # step 0 full; step 1 = pfa_select; steps 2, 3 read prefixes of 4 and 2 rows
-    assert seen == [(12, [12, 7, 2]), (4, [4, 4, 2]), (2, [2, 2, 2])]
+    # step 0 (one beam) attends in state space; step 1 = pfa_select; steps 2, 3 read prefixes of 4 and 2 rows
+    assert seen == [(4, [4, 4, 2]), (2, [2, 2, 2])]
 
 
 def _item_codes(cb):

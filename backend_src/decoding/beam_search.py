@@ -34,11 +34,6 @@ class BeamResult:
     attention: list = field(default_factory=list)
 
 
-def _log_softmax_masked(logits: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """log_softmax over the valid codes only; all -inf for a row without any valid code."""
-    logits = logits.float().masked_fill(~valid, NEG_INF)
-    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
-    return logits - torch.nan_to_num(lse, neginf=0.0)
 
 
 def _beam_weights(log_probs: torch.Tensor) -> torch.Tensor:
@@ -88,7 +83,10 @@ def generate(decoder, codebook, states: torch.Tensor, lengths: torch.Tensor, opt
     for t in range(T):
         x, q = decoder.query(user_state, prefix_emb, t)  # [B, Wt, D], [B, Wt, H, dh]
         Wt = q.shape[1]
-        if mode == "full" or t < s:
+        if (mode == "full" or t < s) and Wt == 1 and not options.collect_attention:
+            # one beam a user (step 0): attend in state space, no projection of the N rows
+            attn = decoder.attend_states(q, states, lengths, t)
+        elif mode == "full" or t < s:
             K, V = kv(t)
             if options.collect_attention:
                 probs = ops.attention_probs(q, K, lengths)  # [B, Wt, H, N]
@@ -136,7 +134,8 @@ def generate(decoder, codebook, states: torch.Tensor, lengths: torch.Tensor, opt
 
         logits = decoder.head(x, attn, t)  # [B, Wt, C_t]
         C = logits.shape[-1]
-        step_lp = _log_softmax_masked(logits, codebook.valid_mask(prefix, t))
+        # log_softmax over the codes that continue an existing item (a live prefix always has one)
+        step_lp = torch.log_softmax(logits.float() + codebook.code_bias(prefix, t), dim=-1)
         scores = (beam_lp[:, :, None] + step_lp).reshape(B, Wt * C)
         beam_lp, idx = torch.topk(scores, min(W, Wt * C), dim=1)  # sorted, best first
         parent, code = idx // C, idx % C

@@ -11,6 +11,7 @@ from typing import Sequence
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from backend_src.config import DecodeOptions, ModelConfig
@@ -98,6 +99,17 @@ class GenerativeRecommender(nn.Module):
 
     def retrieve(self, cache: HistoryCache, options: DecodeOptions) -> BeamResult:
         return generate(self.decoder, self.codebook, cache.states, cache.lengths, options)
+
+    def dense_scores(self, states: torch.Tensor) -> torch.Tensor:
+        """states [..., D] -> [..., I+1] scores of every item by the dense auxiliary head
+        (item 0, the padding row, scores -inf)."""
+        table = self.backbone.item_embedding.weight  # [I+1, D]
+        if self.cfg.dense_temperature > 0:
+            states = F.normalize(states, dim=-1) / self.cfg.dense_temperature
+            table = F.normalize(table, dim=-1)
+        scores = states @ table.T
+        scores[..., 0] = float("-inf")
+        return scores
 
     def rank(self, cache: HistoryCache, candidates: torch.Tensor, microbatch_size: int = 64) -> torch.Tensor:
         return self.ranker.score(cache, candidates, microbatch_size)

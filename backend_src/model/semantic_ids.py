@@ -291,6 +291,16 @@ class SemanticIdCodebook(nn.Module):
         leaf = torch.zeros(num_prefixes, dtype=torch.long)
         leaf[prefix] = torch.arange(1, n + 1)
         self.register_buffer("leaf_item", leaf)
+        self._build_code_bias()
+
+    def _build_code_bias(self):
+        """Derived (not saved) tables bias_t [P_t + 1, C_t]: 0 where (prefix, code) continues
+        an item, -inf where not; the extra last row, which prefix id -1 indexes, is all 0."""
+        for t in range(NUM_LEVELS):
+            child = self.child(t)
+            bias = torch.zeros(child.shape[0] + 1, child.shape[1], device=child.device)
+            bias[:-1].masked_fill_(child < 0, float("-inf"))
+            self.register_buffer(f"bias_{t}", bias, persistent=False)
 
     # ---- construction -----------------------------------------------------------------------
     @classmethod
@@ -320,6 +330,7 @@ class SemanticIdCodebook(nn.Module):
             if key in state_dict and state_dict[key].shape != self._buffers[name].shape:
                 self._buffers[name] = torch.empty_like(state_dict[key], device=self._buffers[name].device)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        self._build_code_bias()
 
     # ---- queries ----------------------------------------------------------------------------
     @property
@@ -339,6 +350,12 @@ class SemanticIdCodebook(nn.Module):
         table = self.child(level)
         mask = table[prefix_ids.clamp_min(0)] >= 0
         return mask & (prefix_ids >= 0)[..., None]
+
+    def code_bias(self, prefix_ids: torch.Tensor, level: int) -> torch.Tensor:
+        """prefix_ids [...] -> float [..., C_t]: 0 for the codes that continue some existing
+        item, -inf for the others; all 0 for dead prefixes (-1), whose beams already carry a
+        -inf log-probability. Added to the logits, it constrains decoding with one gather."""
+        return getattr(self, f"bias_{level}")[prefix_ids]
 
     def advance(self, prefix_ids: torch.Tensor, codes: torch.Tensor, level: int) -> torch.Tensor:
         """Level-t prefix ids and the next codes -> level-(t+1) prefix ids (-1 if invalid)."""

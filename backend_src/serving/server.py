@@ -29,6 +29,17 @@ from pathlib import Path
 DEFAULT_PID_FILE = Path("runs") / "tritonserver.pid"
 DEFAULT_LOG_FILE = Path("runs") / "tritonserver.log"
 
+# Process settings for CPU inference, read by the Python stubs at start: idle OpenMP threads
+# sleep instead of spinning (on a shared host a spinning thread takes its busy sibling's core),
+# and glibc keeps freed memory for reuse instead of unmapping it, so the large per-request
+# tensors do not pay first-touch page faults on every call (~10-20% of decode time here).
+CPU_RUNTIME_ENV = {
+    "OMP_WAIT_POLICY": "PASSIVE",
+    "MALLOC_MMAP_THRESHOLD_": str(32 << 20),
+    "MALLOC_TRIM_THRESHOLD_": str(4 << 30),
+    "MALLOC_TOP_PAD_": str(256 << 20),
+}
+
 
 def triton_home() -> Path:
     """The `tritonserver` folder of the installed pytriton wheel."""
@@ -114,6 +125,8 @@ class TritonServer:
 
     def environment(self) -> dict:
         env = dict(os.environ)
+        for key, value in CPU_RUNTIME_ENV.items():  # an explicit setting in the environment wins
+            env.setdefault(key, value)
         venv_bin = str(Path(sys.executable).parent)
         env["PATH"] = venv_bin + os.pathsep + env.get("PATH", "")
         return env
