@@ -22,9 +22,6 @@ class ModelConfig:
     decoder_heads: int = 2
     shared_kv_projection: bool = False  # PFA ablation: one K/V projection for all steps
     ranker_negatives: int = 64
-    # dense auxiliary head: 0 = raw dot product state . E_item; > 0 = cosine similarity / this
-    # temperature (the HSTU paper's retrieval head)
-    dense_temperature: float = 0.0
 
     @property
     def num_codes(self) -> int:

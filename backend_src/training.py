@@ -67,7 +67,7 @@ def losses(model: GenerativeRecommender, batch, sampler: NegativeSampler, tcfg: 
     codes = model.codebook.codes[targets]  # [B, N, 4]
     logits = model.decoder.training_logits(cache.states, batch.lengths, codes)
     gen_loss = sum(F.cross_entropy(lt[valid], codes[..., t][valid]) for t, lt in enumerate(logits))
-    out = {"retrieval": tcfg.extra.get("retrieval_weight", 1.0) * gen_loss}
+    out = {"retrieval": gen_loss}
 
     if tcfg.ranker_weight > 0:
         # one random position per user: its next item against sampled negatives

@@ -33,6 +33,9 @@ def parse_args(argv=None):
     p.add_argument("--d-model", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=2)
+    p.add_argument("--thread-counts", type=int, nargs="+", default=[1, 2],
+                   help="torch intra-op thread counts to measure (default 1 2; the served history_encoder "
+                        "runs 1 thread per instance); overrides --threads")
     p.add_argument("--max-seconds", type=float, default=None,
                    help="time budget per batch size for the timed repetitions (default 40)")
     args = p.parse_args(argv)
@@ -46,17 +49,8 @@ def parse_args(argv=None):
     return args
 
 
-def main(argv=None) -> dict:
-    args = parse_args(argv)
-    load_start = host_load()
-    setup_torch(args.threads, args.seed)
-    n = args.history
-    cfg = ModelConfig(num_items=args.items, d_model=args.d_model, num_layers=args.layers, num_heads=args.heads,
-                      max_seq_len=n + max(args.new_events))
-    torch.manual_seed(args.seed)
-    encoder = HSTUEncoder(cfg).eval()
-    log(f"caching: history {n}, d{args.d_model}, {args.layers} layers, {args.heads} heads, threads {args.threads}")
-    model_name = f"HSTU(random init, d{args.d_model}, {args.layers} layers, {args.heads} heads)"
+def measure(encoder, args, n: int, model_name: str, threads: int) -> list[dict]:
+    """Append vs re-encode for every batch size and new-event count at one thread count."""
     rows = []
     gen = torch.Generator().manual_seed(args.seed)
     for users in args.users:
@@ -79,7 +73,7 @@ def main(argv=None) -> dict:
         for e in args.new_events:
             t_app, t_fwd = median_s(times[f"append_{e}"]), median_s(times[f"forward_{n + e}"])
             base = {"dataset": f"synthetic-history-{n}", "model": model_name, "history": n, "users": users,
-                    "new_events": e}
+                    "new_events": e, "threads": threads}
             rows.append({**base, "mode": f"forward_{n + e}", **summary_ms(times[f"forward_{n + e}"]),
                          "latency_ms_per_user_p50": t_fwd * 1e3 / users, "speedup_vs_forward": 1.0})
             row = {**base, "mode": f"append_{e}", **summary_ms(times[f"append_{e}"]),
@@ -88,14 +82,33 @@ def main(argv=None) -> dict:
             if e == 1:
                 row["goal_speedup"] = GOAL_SPEEDUP_ONE_EVENT
             rows.append(row)
-            log(f"  {users} users, +{e} events: append {t_app * 1e3:.2f} ms, forward {t_fwd * 1e3:.2f} ms, "
+            log(f"  {threads} thread(s), {users} users, +{e} events: append {t_app * 1e3:.2f} ms, forward {t_fwd * 1e3:.2f} ms, "
                 f"x{row['speedup_vs_forward']:.1f} (reps {row['reps']}, max |diff| {diffs[e]:.1e})")
+    return rows
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    load_start = host_load()
+    setup_torch(args.threads, args.seed)
+    n = args.history
+    cfg = ModelConfig(num_items=args.items, d_model=args.d_model, num_layers=args.layers, num_heads=args.heads,
+                      max_seq_len=n + max(args.new_events))
+    torch.manual_seed(args.seed)
+    encoder = HSTUEncoder(cfg).eval()
+    log(f"caching: history {n}, d{args.d_model}, {args.layers} layers, {args.heads} heads, "
+        f"threads {args.thread_counts}")
+    model_name = f"HSTU(random init, d{args.d_model}, {args.layers} layers, {args.heads} heads)"
+    rows = []
+    for threads in args.thread_counts:
+        torch.set_num_threads(threads)
+        rows += measure(encoder, args, n, model_name, threads)
     extra = dict(
         benchmark="caching",
         note="randomly initialized HSTU: latency does not depend on training; append returns a new cache "
              "(the cached K/V are copied into the combined history)",
         config=dict(history=n, users=args.users, new_events=args.new_events, d_model=args.d_model,
-                    layers=args.layers, heads=args.heads, threads=args.threads, warmup=args.warmup,
+                    layers=args.layers, heads=args.heads, threads=args.thread_counts, warmup=args.warmup,
                     reps_requested=args.reps, quick=args.quick),
         goal=dict(speedup_one_event=GOAL_SPEEDUP_ONE_EVENT),
     )

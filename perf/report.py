@@ -20,11 +20,11 @@ from backend_src.results import markdown_table  # noqa: E402
 from perf.common import RESULTS_DIR  # noqa: E402
 
 DECODE_COLUMNS = ["mode", "users", "latency_ms_p50", "latency_ms_per_user_p50", "speedup_vs_full",
-                  "attn_mac_ratio_vs_full", "total_ops_ratio_vs_full", "project_history_ms_p50",
+                  "attn_mac_ratio_vs_full", "speedup_bound_from_attention", "project_history_ms_p50",
                   "paper_speedup_vs_full", "reps"]
 RANKING_COLUMNS = ["mode", "effective_microbatch", "latency_ms_p50", "candidates_per_s", "speedup_vs_naive",
                    "speedup_vs_naive_incl_history_encode", "extrapolated_from", "reps"]
-CACHING_COLUMNS = ["users", "new_events", "mode", "latency_ms_p50", "latency_ms_per_user_p50",
+CACHING_COLUMNS = ["threads", "users", "new_events", "mode", "latency_ms_p50", "latency_ms_per_user_p50",
                    "speedup_vs_forward", "max_abs_diff", "reps"]
 
 
@@ -72,12 +72,18 @@ def decode_section(blob: dict, out_dir: Path) -> list[str]:
     lines.append(f"Beam {cfg.get('beam')}, codebook sizes {cfg.get('codebook_sizes')}, {cfg.get('items')} items, "
                  f"d_model {cfg.get('d_model')}, {cfg.get('heads')} heads. Latency in ms per batch of users "
                  f"(median of interleaved repetitions) and per user; speedups are ratios of medians measured in "
-                 f"one process. MAC ratios are analytical (attention QK + AV rows actually read; "
-                 f"total_ops adds selection work).")
+                 f"one process. MAC ratios are analytical (attention QK + AV rows actually read). "
+                 f"speedup_bound_from_attention is Amdahl's bound 1 / (1 - f + f / mac_ratio), with f the "
+                 f"measured share of the full decode spent in its history attention (the rest -- beam "
+                 f"bookkeeping, query/output layers, constrained softmax, top-k -- is the same in every mode).")
     lines.append("")
     for n in sorted({r["history"] for r in rows}):
         sub = [r for r in rows if r["history"] == n]
-        lines += [f"### History {n}", "", markdown_table(_fmt_rows(sub), DECODE_COLUMNS, ".3g"), ""]
+        share = sub[0].get("full_attention_share")
+        lines += [f"### History {n}", ""]
+        if share is not None:
+            lines += [f"History attention is {share:.0%} of the full-attention decode at this length.", ""]
+        lines += [markdown_table(_fmt_rows(sub), DECODE_COLUMNS, ".3g"), ""]
     if paper:
         ours = paper.get("our_count_at_paper_setting", {})
         lines += [
@@ -151,15 +157,16 @@ def caching_section(blob: dict, out_dir: Path) -> list[str]:
     lines = ["## Incremental encoding (append to a cached history vs re-encode)", "", _provenance(blob), "",
              blob.get("note", ""), "", markdown_table(_fmt_rows(rows, 3), CACHING_COLUMNS, ".3g"), ""]
     png = out_dir / "caching.png"
-    groups = sorted({(r["users"], r["new_events"]) for r in rows})
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    key = lambda r: (r.get("threads", 0), r["users"], r["new_events"])  # noqa: E731
+    groups = sorted({key(r) for r in rows})
+    fig, ax = plt.subplots(figsize=(8, 4.5))
     width = 0.38
     for j, kind in enumerate(("append", "forward")):
-        vals = [next((r["latency_ms_p50"] for r in rows if (r["users"], r["new_events"]) == g
-                      and r["mode"].startswith(kind)), 0.0) for g in groups]
+        vals = [next((r["latency_ms_p50"] for r in rows if key(r) == g and r["mode"].startswith(kind)), 0.0)
+                for g in groups]
         bars = ax.bar([i + (j - 0.5) * width for i in range(len(groups))], vals, width, label=kind)
         ax.bar_label(bars, fmt="%.1f", fontsize=7)
-    ax.set_xticks(range(len(groups)), [f"{u} user{'s' if u > 1 else ''}, +{e}" for u, e in groups])
+    ax.set_xticks(range(len(groups)), [f"{t}t, {u}u, +{e}" for t, u, e in groups], fontsize=8)
     ax.set_yscale("log")
     ax.set_ylabel("ms per batch (median)")
     ax.set_title(f"Append vs re-encode, history {rows[0]['history']}")

@@ -153,18 +153,23 @@ def row_mask(lengths: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def merge_rows(
-    old: torch.Tensor, new: torch.Tensor, lengths: torch.Tensor, new_lengths: torch.Tensor, n_out: int
+    old: torch.Tensor, new: torch.Tensor, lengths: torch.Tensor, new_lengths: torch.Tensor, n_out: int,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Left-aligned concatenation per user, vectorized: out[b, j] = old[b, j] for j < lengths[b],
     new[b, j - lengths[b]] for lengths[b] <= j < lengths[b] + new_lengths[b], 0 after.
 
-    old [B, No, ...] (No >= max(lengths)), new [B, Nn, ...] -> [B, n_out, ...].
+    old [B, No, ...] (No >= max(lengths)), new [B, Nn, ...] -> [B, n_out, ...], written into
+    `out` when given (e.g. one layer's slice of the stacked cache, saving a copy).
     """
+    if out is not None and torch.is_grad_enabled() and (old.requires_grad or new.requires_grad):
+        return out.copy_(merge_rows(old, new, lengths, new_lengths, n_out))  # out= is not differentiable
     B, No = old.shape[:2]
     Nn = new.shape[1]
-    both = torch.cat([old, new], dim=1)  # [B, No + Nn, ...]
     if n_out == No + Nn and bool((lengths == No).all()) and bool((new_lengths == Nn).all()):
-        return both  # no padding anywhere (always so for one user): the plain concatenation
+        # no padding anywhere (always so for one user): the plain concatenation
+        return torch.cat([old, new], dim=1) if out is None else torch.cat([old, new], dim=1, out=out)
+    both = torch.cat([old, new], dim=1)  # [B, No + Nn, ...]
     j = torch.arange(n_out, device=old.device)[None, :]  # [1, n_out]
     from_old = j < lengths[:, None]
     src = torch.where(from_old, j, No + (j - lengths[:, None]).clamp(0, max(Nn - 1, 0)))  # [B, n_out]
@@ -173,8 +178,8 @@ def merge_rows(
         return both.new_zeros((B, n_out) + tuple(both.shape[2:]))
     src = src.clamp(max=No + Nn - 1)
     idx = src.reshape(B, n_out, *([1] * (both.dim() - 2))).expand(B, n_out, *both.shape[2:])
-    out = torch.gather(both, 1, idx)
-    return out * valid.reshape(B, n_out, *([1] * (both.dim() - 2))).to(out.dtype)
+    merged = torch.gather(both, 1, idx) if out is None else torch.gather(both, 1, idx, out=out)
+    return merged.mul_(valid.reshape(B, n_out, *([1] * (both.dim() - 2))).to(merged.dtype))
 
 
 def _check_length(total: torch.Tensor, limit: int, what: str) -> None:
@@ -323,19 +328,19 @@ class HSTUEncoder(nn.Module):
         k_pos = torch.arange(n_out, device=items.device).expand(B, n_out)  # row index = position
         k_ts = merge_rows(cache.timestamps, timestamps, old_len, new_lengths, n_out)
         no_self = torch.full_like(q_pos, -1)
-        keys, values = [], []
+        # every layer's merged rows go straight into the stacked cache tensors
+        keys = cache.keys.new_empty((len(self.layers), B, n_out, *cache.keys.shape[3:]))
+        values = cache.values.new_empty((len(self.layers), B, n_out, *cache.values.shape[3:]))
         for li, layer in enumerate(self.layers):
             u, q, k, v = layer.project(x)
-            k_all = merge_rows(cache.keys[li], k, old_len, new_lengths, n_out)  # [B, n_out, H, dqk]
-            v_all = merge_rows(cache.values[li], v, old_len, new_lengths, n_out)
+            k_all = merge_rows(cache.keys[li], k, old_len, new_lengths, n_out, out=keys[li])  # [B, n_out, H, dqk]
+            v_all = merge_rows(cache.values[li], v, old_len, new_lengths, n_out, out=values[li])
             attn = layer.attend(q, k_all, v_all, q_pos, k_pos, timestamps, k_ts, total, no_self)
             x = layer.output(x, attn, u)
-            keys.append(k_all)
-            values.append(v_all)
         states = merge_rows(cache.states, self.final_norm(x) * nmask, old_len, new_lengths, n_out)
         return HistoryCache(
-            keys=torch.stack(keys),
-            values=torch.stack(values),
+            keys=keys,
+            values=values,
             states=states,
             timestamps=k_ts,
             lengths=total,

@@ -11,7 +11,6 @@ from typing import Sequence
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from backend_src.config import DecodeOptions, ModelConfig
@@ -101,13 +100,9 @@ class GenerativeRecommender(nn.Module):
         return generate(self.decoder, self.codebook, cache.states, cache.lengths, options)
 
     def dense_scores(self, states: torch.Tensor) -> torch.Tensor:
-        """states [..., D] -> [..., I+1] scores of every item by the dense auxiliary head
-        (item 0, the padding row, scores -inf)."""
-        table = self.backbone.item_embedding.weight  # [I+1, D]
-        if self.cfg.dense_temperature > 0:
-            states = F.normalize(states, dim=-1) / self.cfg.dense_temperature
-            table = F.normalize(table, dim=-1)
-        scores = states @ table.T
+        """states [..., D] -> [..., I+1] scores of every item by the dense auxiliary head,
+        state . E_item (item 0, the padding row, scores -inf)."""
+        scores = states @ self.backbone.item_embedding.weight.T
         scores[..., 0] = float("-inf")
         return scores
 

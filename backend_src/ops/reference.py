@@ -130,15 +130,18 @@ def dynamic_topk_attention(
     """Baseline: every beam ranks the history by its own head-averaged weights and attends
     (renormalized) over its own top `keep` rows. Same selection rule as PFA, repeated per beam
     and per step, with scattered rows. q [B,W,H,d], k/v [B,N,H,d] -> [B,W,H,d]
-    (and the rows each beam chose, [B, W, keep], with return_indices)."""
+    (and the rows each beam chose, [B, W, keep], with return_indices).
+
+    On a CPU the fastest exact form zeroes the other rows' weights and multiplies densely:
+    gathering every beam's own rows would copy W*keep rows per user."""
     probs = attention_probs(q, k, lengths)  # [B, W, H, N]
     keep = min(keep, k.shape[1])
-    idx = torch.topk(probs.mean(dim=2), keep, dim=-1).indices  # [B, W, keep]
-    kept = torch.gather(probs, 3, idx[:, :, None, :].expand(*probs.shape[:3], keep))
+    # the kept set needs no order, except when the caller reads prefixes of it (pfa_per_beam)
+    idx = torch.topk(probs.mean(dim=2), keep, dim=-1, sorted=return_indices).indices  # [B, W, keep]
+    mask = torch.zeros_like(probs[:, :, 0]).scatter_(2, idx, 1.0)  # [B, W, N]
+    kept = probs * mask[:, :, None, :]
     kept = kept / kept.sum(-1, keepdim=True).clamp_min(1e-30)
-    B, W, H, d = q.shape
-    rows = torch.gather(v, 1, idx.reshape(B, W * keep)[:, :, None, None].expand(B, W * keep, H, v.shape[-1]))
-    out = torch.einsum("bwhk,bwkhd->bwhd", kept, rows.view(B, W, keep, H, v.shape[-1]))
+    out = torch.matmul(kept.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)  # [B, W, H, d]
     return (out, idx) if return_indices else out
 
 
