@@ -82,8 +82,9 @@ def measure(encoder, args, n: int, model_name: str, threads: int) -> list[dict]:
             if e == 1:
                 row["goal_speedup"] = GOAL_SPEEDUP_ONE_EVENT
             rows.append(row)
-            log(f"  {threads} thread(s), {users} users, +{e} events: append {t_app * 1e3:.2f} ms, forward {t_fwd * 1e3:.2f} ms, "
-                f"x{row['speedup_vs_forward']:.1f} (reps {row['reps']}, max |diff| {diffs[e]:.1e})")
+            log(f"  {threads} thread(s), {users} users, +{e} events: append {t_app * 1e3:.2f} ms, "
+                f"forward {t_fwd * 1e3:.2f} ms, x{row['speedup_vs_forward']:.1f} (reps {row['reps']}, "
+                f"max |diff| {diffs[e]:.1e})")
     return rows
 
 

@@ -34,8 +34,6 @@ class BeamResult:
     attention: list = field(default_factory=list)
 
 
-
-
 def _beam_weights(log_probs: torch.Tensor) -> torch.Tensor:
     """w_b = p_b / sum_j p_j over a user's beams (dead beams get 0)."""
     w = torch.softmax(log_probs, dim=1)
