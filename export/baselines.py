@@ -20,7 +20,7 @@ import torch
 from tqdm import tqdm
 
 from backend_src.data import (
-    Batch, SequenceData, eval_batches, item_popularity, length_bucketed, load_dataset, target_rows, train_batches,
+    SequenceData, eval_batches, item_popularity, length_bucketed, load_dataset, target_rows, train_batches,
 )
 from backend_src.metrics import MetricAccumulator, topk_full_catalog
 from backend_src.model.sasrec import SASRec, SASRecConfig

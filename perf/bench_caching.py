@@ -11,14 +11,14 @@ as max_abs_diff).
 from __future__ import annotations
 
 import argparse
-import os
 
 import torch
 
 from backend_src.config import ModelConfig
 from backend_src.model.hstu import HSTUEncoder
-from backend_src.results import write_result
-from perf.common import add_common_args, command, host_load, interleaved, log, median_s, ratio, setup_torch, summary_ms
+from perf.common import (
+    add_common_args, fill_defaults, host_load, interleaved, log, median_s, ratio, save_result, setup_torch, summary_ms,
+)
 
 GOAL_SPEEDUP_ONE_EVENT = 20.0
 
@@ -43,9 +43,7 @@ def parse_args(argv=None):
         d = dict(history=32, users=[1, 2], new_events=[1, 4], reps=3, warmup=1, max_seconds=3.0)
     else:
         d = dict(history=512, users=[1, 16], new_events=[1, 8], reps=15, warmup=2, max_seconds=40.0)
-    for key, val in d.items():
-        if getattr(args, key) is None:
-            setattr(args, key, val)
+    fill_defaults(args, d)
     return args
 
 
@@ -114,11 +112,7 @@ def main(argv=None) -> dict:
         goal=dict(speedup_one_event=GOAL_SPEEDUP_ONE_EVENT),
     )
     path = args.out / "caching.json"
-    extra.update(host_load_start=load_start, host_load_end=host_load(),
-                 omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"))
-    blob = write_result(path, rows, command=command("perf.bench_caching", argv), **extra)
-    log(f"wrote {path}")
-    return blob
+    return save_result(path, rows, "perf.bench_caching", argv, load_start, **extra)
 
 
 if __name__ == "__main__":

@@ -16,9 +16,7 @@ PFA 1.45x faster than full attention measured, 2.65x fewer attention MACs in the
 from __future__ import annotations
 
 import argparse
-import os
 import math
-from collections import defaultdict
 
 import torch
 
@@ -27,8 +25,9 @@ from backend_src.config import DecodeOptions, ModelConfig
 from backend_src.decoding.beam_search import generate
 from backend_src.model.decoder import SemanticIdDecoder
 from backend_src.model.semantic_ids import SemanticIdCodebook
-from backend_src.results import write_result
-from perf.common import add_common_args, command, host_load, interleaved, log, median_s, ratio, setup_torch, summary_ms
+from perf.common import (
+    add_common_args, fill_defaults, host_load, interleaved, log, median_s, ratio, save_result, setup_torch, summary_ms,
+)
 
 # Seed 000, industrial data, history 512, beam 100, 512 users a batch on L20 GPUs (anchors.md)
 PAPER_LATENCY_MS = {
@@ -168,9 +167,7 @@ def parse_args(argv=None):
         args.beam = d.pop("beam")
     else:
         d = dict(histories=[128, 512, 2048], users=[32, 32, 8], items=16384, reps=7, warmup=1, max_seconds=90.0)
-    for key, val in d.items():
-        if getattr(args, key) is None:
-            setattr(args, key, val)
+    fill_defaults(args, d)
     if len(args.users) == 1:
         args.users = args.users * len(args.histories)
     if len(args.users) != len(args.histories):
@@ -288,11 +285,7 @@ def main(argv=None) -> dict:
     if profiles:
         extra["profile_self_ms"] = profiles
     path = args.out / "decode_latency.json"
-    extra.update(host_load_start=load_start, host_load_end=host_load(),
-                 omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"))
-    blob = write_result(path, rows, command=command("perf.bench_decode", argv), **extra)
-    log(f"wrote {path}")
-    return blob
+    return save_result(path, rows, "perf.bench_decode", argv, load_start, **extra)
 
 
 if __name__ == "__main__":

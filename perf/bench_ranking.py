@@ -17,15 +17,15 @@ same size); such rows say so in "extrapolated_from".
 from __future__ import annotations
 
 import argparse
-import os
 
 import torch
 
 from backend_src.config import ModelConfig
 from backend_src.model.hstu import HSTUEncoder
 from backend_src.model.ranker import RANK_ACTION, MFalconRanker
-from backend_src.results import write_result
-from perf.common import add_common_args, command, host_load, interleaved, log, median_s, ratio, setup_torch, summary_ms
+from perf.common import (
+    add_common_args, fill_defaults, host_load, interleaved, log, median_s, ratio, save_result, setup_torch, summary_ms,
+)
 
 GOAL_SPEEDUP_AT_1024 = 100.0
 
@@ -52,9 +52,7 @@ def parse_args(argv=None):
     else:
         d = dict(history=512, candidates=[64, 256, 1024], microbatches=[16, 64, 256], naive_batch=32,
                  naive_max=64, reps=5, warmup=1, max_seconds=80.0)
-    for key, val in d.items():
-        if getattr(args, key) is None:
-            setattr(args, key, val)
+    fill_defaults(args, d)
     return args
 
 
@@ -153,11 +151,7 @@ def main(argv=None) -> dict:
         goal=dict(speedup_at_1024_candidates=GOAL_SPEEDUP_AT_1024),
     )
     path = args.out / "ranking_throughput.json"
-    extra.update(host_load_start=load_start, host_load_end=host_load(),
-                 omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"))
-    blob = write_result(path, rows, command=command("perf.bench_ranking", argv), **extra)
-    log(f"wrote {path}")
-    return blob
+    return save_result(path, rows, "perf.bench_ranking", argv, load_start, **extra)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,8 @@ from typing import Callable
 
 import torch
 
+from backend_src.results import write_result
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO_ROOT / "perf" / "results"
 
@@ -30,6 +32,23 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reps", type=int, default=None, help="timed repetitions per variant (default per benchmark)")
     p.add_argument("--warmup", type=int, default=None, help="untimed runs per variant first")
     p.add_argument("--seed", type=int, default=0)
+
+
+def fill_defaults(args: argparse.Namespace, defaults: dict) -> None:
+    """Options left unset (None) take this configuration's (quick or full) default."""
+    for key, val in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, val)
+
+
+def save_result(path: Path, rows: list[dict], module: str, argv, load_start, **extra) -> dict:
+    """Write a benchmark's result file with the command that reproduces it and the host's load
+    and CPU runtime settings around the run."""
+    extra.update(host_load_start=load_start, host_load_end=host_load(),
+                 omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"))
+    blob = write_result(path, rows, command=command(module, argv), **extra)
+    log(f"wrote {path}")
+    return blob
 
 
 def setup_torch(threads: int, seed: int = 0) -> None:

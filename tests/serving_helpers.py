@@ -1,6 +1,7 @@
 """A tiny untrained recommender checkpoint for the tests that start a real server."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from backend_src.config import ModelConfig
@@ -21,3 +22,13 @@ def build_tiny_checkpoint(path, item_ids, max_history: int, seed: int) -> None:
     )
     torch.manual_seed(seed)
     GenerativeRecommender(cfg, codebook, list(item_ids)).eval().save(path)
+
+
+def require_tritonserver() -> None:
+    """Skip the calling test (or fixture) when the Triton server binaries are not installed."""
+    from backend_src.serving.server import triton_home
+
+    try:
+        triton_home()
+    except RuntimeError as e:
+        pytest.skip(str(e))

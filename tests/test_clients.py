@@ -20,7 +20,7 @@ pytestmark = pytest.mark.server
 pytest.importorskip("tritonclient.grpc")
 
 from clients.client import RecommenderClient, RecommenderError, SessionLost, wire_session_id  # noqa: E402
-from serving_helpers import build_tiny_checkpoint  # noqa: E402
+from serving_helpers import build_tiny_checkpoint, require_tritonserver  # noqa: E402
 
 DATA_SPEC = "synthetic:users=80,items=60,clusters=4,seed=3"
 MAX_HISTORY = 20
@@ -34,14 +34,10 @@ OPTIONS = dict(top_k=TOP_K, beam_width=DECODE.beam_width, mode=DECODE.mode, pfa_
 def served(tmp_path_factory):
     from backend_src.data import load_dataset
     from backend_src.model.recommender import GenerativeRecommender
-    from backend_src.serving.server import triton_home
     from clients.served_eval import local_server
     from export.triton_configs import ServingOptions
 
-    try:
-        triton_home()
-    except RuntimeError as e:
-        pytest.skip(str(e))
+    require_tritonserver()
     tmp = tmp_path_factory.mktemp("clients")
     data = load_dataset(DATA_SPEC)
     ckpt = tmp / "tiny.pt"

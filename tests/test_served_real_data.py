@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from backend_src.config import DecodeOptions, ModelConfig
-from backend_src.serving.server import triton_home
+from serving_helpers import require_tritonserver
 
 pytestmark = pytest.mark.server
 
@@ -22,10 +22,7 @@ def real(tmp_path_factory, data_dir):
     from clients.served_eval import local_server
     from export.triton_configs import ServingOptions
 
-    try:
-        triton_home()
-    except RuntimeError as e:
-        pytest.skip(str(e))
+    require_tritonserver()
     data = load_dataset(str(data_dir / "ml-100k"), max_users=60)
     cfg = ModelConfig(num_items=data.num_items, d_model=16, num_layers=2, num_heads=2, max_seq_len=40,
                       codebook_sizes=(8, 8, 8, 1), dropout=0.0)

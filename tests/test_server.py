@@ -14,14 +14,14 @@ import torch
 
 from backend_src.config import DecodeOptions
 from backend_src.serving import protocol as P
-from backend_src.serving.server import TritonServer, free_port, triton_home
+from backend_src.serving.server import TritonServer, free_port
 from export import publish as pub
 from export.triton_configs import ServingOptions
 
 pytestmark = pytest.mark.server
 grpcclient = pytest.importorskip("tritonclient.grpc")
 from tritonclient.utils import InferenceServerException  # noqa: E402
-from serving_helpers import build_tiny_checkpoint  # noqa: E402
+from serving_helpers import build_tiny_checkpoint, require_tritonserver  # noqa: E402
 
 NUM_ITEMS = 60
 MAX_HISTORY = 20
@@ -35,10 +35,7 @@ def item_id(i: int) -> str:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    try:
-        triton_home()
-    except RuntimeError as e:
-        pytest.skip(str(e))
+    require_tritonserver()
     tmp = tmp_path_factory.mktemp("triton")
     ckpt1, ckpt2 = tmp / "v1.pt", tmp / "v2.pt"
     item_ids = [None] + [item_id(i) for i in range(1, NUM_ITEMS + 1)]
