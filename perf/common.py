@@ -68,6 +68,8 @@ def interleaved(
     Repetition i runs the variants starting at index i (rotated), so no variant always runs
     first or right after the same neighbour. With max_seconds, repetitions stop early (never
     below min_reps) once the next round would exceed that budget. Returns seconds per run.
+    The garbage collector is off while timing (as in timeit): a collector pause does not land
+    inside one variant, and no variant starts on the caches a full collection just swept.
     """
     names = list(variants)
     with torch.inference_mode():
@@ -75,18 +77,22 @@ def interleaved(
             for name in names:
                 variants[name]()
         times: dict[str, list[float]] = {n: [] for n in names}
-        start = time.perf_counter()
-        for i in range(reps):
-            if max_seconds is not None and i >= min_reps:
-                elapsed = time.perf_counter() - start
-                if elapsed / i * (i + 1) > max_seconds:
-                    break
-            order = names[i % len(names):] + names[: i % len(names)]
-            for name in order:
-                gc.collect()  # no collector pause lands inside one variant's timing
-                t0 = time.perf_counter()
-                variants[name]()
-                times[name].append(time.perf_counter() - t0)
+        gc.collect()
+        gc.disable()
+        try:
+            start = time.perf_counter()
+            for i in range(reps):
+                if max_seconds is not None and i >= min_reps:
+                    elapsed = time.perf_counter() - start
+                    if elapsed / i * (i + 1) > max_seconds:
+                        break
+                order = names[i % len(names):] + names[: i % len(names)]
+                for name in order:
+                    t0 = time.perf_counter()
+                    variants[name]()
+                    times[name].append(time.perf_counter() - t0)
+        finally:
+            gc.enable()
     return times
 
 

@@ -92,6 +92,55 @@ def test_append_to_cat_of_single_user_caches(enc):
     assert_cache_close(full, inc)
 
 
+def test_append_in_place_grows_into_spare_rows(cfg, enc):
+    """One event at a time into the spare rows: equal to encoding at once, the old cache's rows
+    untouched, no copy while capacity lasts, geometric regrowth (capped at max_seq_len) when full."""
+    items, actions, ts, lengths = make_batch([40], seed=12)
+    with torch.no_grad():
+        full = enc(items, actions, ts, lengths)
+        cache = enc(items[:, :5], actions[:, :5], ts[:, :5], torch.tensor([5]))
+        assert cache.capacity() == 5  # fresh from forward: no spare rows
+        first = cache.states.clone()
+        grown = enc.append(cache, items[:, 5:6], actions[:, 5:6], ts[:, 5:6], torch.tensor([1]), in_place=True)
+        assert grown.capacity() == 12 and torch.equal(cache.states, first)  # regrown to 2 x 6 rows
+        for j in range(6, 40, 3):  # 3 events at a time (the last append takes 1)
+            e = min(3, 40 - j)
+            before = grown.states.data_ptr(), grown.capacity()
+            grown = enc.append(grown, items[:, j:j + e], actions[:, j:j + e], ts[:, j:j + e], torch.tensor([e]),
+                               in_place=True)
+            if before[1] >= j + e:  # room was left: same buffer
+                assert grown.states.data_ptr() == before[0]
+            else:
+                assert grown.capacity() == min(cfg.max_seq_len, 2 * (j + e))
+    assert_cache_close(full, grown)
+    assert grown.capacity() == 64 and grown.num_bytes() > grown.clone().num_bytes()  # spare rows are counted
+
+
+def test_in_place_append_stays_inside_each_users_rows(enc):
+    """A user's cache split off a batch may grow into its own padding rows, never the next user's."""
+    batch = make_batch([9, 4, 7], seed=13)
+    new = make_batch([2], seed=14)
+    with torch.no_grad():
+        users = enc(*batch).split()
+        assert [c.capacity() for c in users] == [9, 9, 9]
+        others = [c.clone() for c in users]
+        alone = enc(*cut(*batch, [4, 4, 4])[0]).select([1]).trim()  # user 1's own 4 events
+        grown = enc.append(users[1], *new, in_place=True)
+        reference = enc.append(alone, *new)
+    assert_cache_close(grown, reference)
+    for b in (0, 2):
+        assert_cache_close(users[b], others[b])
+
+
+def test_in_place_append_falls_back_for_ragged_batches(enc):
+    batch = make_batch([10, 6, 8], seed=15)
+    first, second = cut(*batch, [4, 2, 8])
+    with torch.no_grad():
+        full = enc(*batch)
+        inc = enc.append(enc(*first).reserve(16), *second, in_place=True)
+    assert_cache_close(full, inc)
+
+
 def test_append_overflow_raises(cfg, enc):
     batch = make_batch([60, 3], seed=5)
     with torch.no_grad():

@@ -41,9 +41,8 @@ def _beam_weights(log_probs: torch.Tensor) -> torch.Tensor:
 
 
 def _gather_beams(x: torch.Tensor, parent: torch.Tensor) -> torch.Tensor:
-    """x [B, W_old, ...], parent [B, W_new] -> [B, W_new, ...]."""
-    idx = parent.reshape(*parent.shape, *([1] * (x.dim() - 2))).expand(*parent.shape, *x.shape[2:])
-    return torch.gather(x, 1, idx)
+    """x [B, W_old, ...], parent [B, W_new] -> [B, W_new, ...] (whole rows, as gather_rows)."""
+    return ops.gather_rows(x, parent)
 
 
 @torch.no_grad()
@@ -134,7 +133,7 @@ def generate(decoder, codebook, states: torch.Tensor, lengths: torch.Tensor, opt
         C = logits.shape[-1]
         # log_softmax over the codes that continue an existing item (a live prefix always has one)
         step_lp = torch.log_softmax(logits.float() + codebook.code_bias(prefix, t), dim=-1)
-        scores = (beam_lp[:, :, None] + step_lp).reshape(B, Wt * C)
+        scores = step_lp.add_(beam_lp[:, :, None]).reshape(B, Wt * C)  # + the beam's score
         beam_lp, idx = torch.topk(scores, min(W, Wt * C), dim=1)  # sorted, best first
         parent, code = idx // C, idx % C
         alive = beam_lp > NEG_INF

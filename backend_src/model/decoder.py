@@ -4,6 +4,10 @@ Every decoding step t = 0..3 has its own K/V projection of the history states (o
 pair when cfg.shared_kv_projection), computed once before decoding. The query of a beam at step
 t comes from the user's last history state, the embeddings of the codes generated so far and a
 step embedding; the attention output goes through a head to logits over the C_t codes of level t.
+
+The history rows are projected without their biases: the key bias b_k shifts all of a query's
+logits by the same q.b_k (it cancels in the softmax) and the value bias b_v adds b_v to every
+output (the weights sum to 1), so ``head`` adds b_v once per query instead of once per row.
 """
 from __future__ import annotations
 
@@ -43,13 +47,12 @@ class SemanticIdDecoder(nn.Module):
 
     # ---- history side: computed once per request --------------------------------------------
     def project_history(self, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """states [B, N, D] -> K, V [T, B, N, H, dh]: one projection per decoding step (a single
-        one broadcast over the steps when shared)."""
+        """states [B, N, D] -> K, V [T, B, N, H, dh] (without biases): one projection per
+        decoding step (a single one broadcast over the steps when shared)."""
         B, N, _ = states.shape
         # all steps' projections as one matmul: [B, N, P * 2D], P = 1 (shared) or T
         weight = torch.cat([p.weight for p in self.kv_proj])
-        bias = torch.cat([p.bias for p in self.kv_proj])
-        kv = F.linear(states, weight, bias).view(B, N, len(self.kv_proj), 2, self.num_heads, self.head_dim)
+        kv = F.linear(states, weight).view(B, N, len(self.kv_proj), 2, self.num_heads, self.head_dim)
         kv = kv.permute(3, 2, 0, 1, 4, 5)  # [2, P, B, N, H, dh]
         k, v = kv[0].contiguous(), kv[1].contiguous()  # each step reads its block contiguously
         if self.shared_kv_projection:
@@ -58,11 +61,11 @@ class SemanticIdDecoder(nn.Module):
         return k, v
 
     def project_step(self, states: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """states [B, N, D] -> K_t, V_t [B, N, H, dh] of one decoding step. Row-wise, so
-        projecting gathered rows equals gathering projected rows (PFA projects the steps after
-        its selection only for the k kept rows)."""
+        """states [B, N, D] -> K_t, V_t [B, N, H, dh] of one decoding step (without biases).
+        Row-wise, so projecting gathered rows equals gathering projected rows (PFA projects the
+        steps after its selection only for the k kept rows)."""
         p = self.kv_proj[0 if self.shared_kv_projection else step]
-        kv = p(states).view(*states.shape[:2], 2, self.num_heads, self.head_dim)
+        kv = F.linear(states, p.weight).view(*states.shape[:2], 2, self.num_heads, self.head_dim)
         return kv[:, :, 0], kv[:, :, 1]
 
     def attend_states(
@@ -70,8 +73,8 @@ class SemanticIdDecoder(nn.Module):
     ) -> torch.Tensor:
         """Softmax attention of q [B, M, H, dh] over step `step`'s K/V of the first lengths[b]
         rows of states [B, N, D], without projecting the rows: with k_j = W_k x_j + b_k and
-        v_j = W_v x_j + b_v,  q.k_j = (W_k^T q).x_j + q.b_k  (the last term is the same for every
-        row and cancels in the softmax) and  sum_j p_j v_j = W_v (sum_j p_j x_j) + b_v.
+        v_j = W_v x_j (biases: see the module docstring),  q.k_j = (W_k^T q).x_j  and
+        sum_j p_j v_j = W_v (sum_j p_j x_j).
         Costs ~4 M H N D multiply-adds instead of the projection's 2 N D^2, so it is the
         cheaper path while M H < D / 2 (step 0, where every user has one beam) -> [B, M, H, dh]."""
         p = self.kv_proj[0 if self.shared_kv_projection else step]
@@ -82,13 +85,13 @@ class SemanticIdDecoder(nn.Module):
         valid = torch.arange(states.shape[1], device=states.device)[None, :] < lengths[:, None]
         probs = torch.softmax(logits.masked_fill(~valid[:, None, None, :], float("-inf")), dim=-1)
         pooled = torch.einsum("bmhn,bnd->bmhd", probs, states)  # [B, M, H, D]
-        return torch.einsum("bmhd,hed->bmhe", pooled, w_v) + p.bias[D:].view(H, dh)
+        return torch.einsum("bmhd,hed->bmhe", pooled, w_v)
 
     # ---- query side ----------------------------------------------------------------------------
     def code_embedding(self, codes: torch.Tensor, level: int) -> torch.Tensor:
         """codes [...] of level `level` -> [..., D] (codes < 0 embed to zero)."""
-        e = self.code_emb[level](codes.clamp_min(0))
-        return e * (codes >= 0)[..., None].to(e.dtype)
+        table = F.pad(self.code_emb[level].weight, (0, 0, 0, 1))  # + a zero row, which -1 indexes
+        return F.embedding(codes % table.shape[0], table)
 
     def query(self, user_state: torch.Tensor, prefix_emb: torch.Tensor, step: int):
         """user_state [B, D] or [B, M, D] (broadcast over beams), prefix_emb [B, M, D] = sum of the
@@ -100,8 +103,10 @@ class SemanticIdDecoder(nn.Module):
         return x, q.view(*q.shape[:-1], self.num_heads, self.head_dim)
 
     def head(self, x: torch.Tensor, attn: torch.Tensor, step: int) -> torch.Tensor:
-        """x [B, M, D] query input, attn [B, M, H, dh] attention output -> logits [B, M, C_t]."""
-        z = x + self.o_proj[step](attn.reshape(*attn.shape[:-2], self.d_model))
+        """x [B, M, D] query input, attn [B, M, H, dh] attention output over unbiased values
+        -> logits [B, M, C_t]."""
+        b_v = self.kv_proj[0 if self.shared_kv_projection else step].bias[self.d_model:]
+        z = x + self.o_proj[step](attn.reshape(*attn.shape[:-2], self.d_model) + b_v)
         z = z + self.mlp[step](self.mlp_norm[step](z))
         return self.out[step](self.out_norm[step](z))
 

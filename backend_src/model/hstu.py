@@ -126,6 +126,61 @@ class HistoryCache:
             out.append(self.select(slice(b, b + 1)).resize(n))
         return out
 
+    # ---- spare capacity (in-place append) ----------------------------------------------
+    # Rows of a tensor's buffer past its view are spare capacity: `append(in_place=True)` writes
+    # the new rows there instead of copying the old ones into fresh tensors. The row dimension
+    # is 2 for keys/values [L, B, N, ...], 1 for the others; a view's capacity is read off the
+    # stride of the dimension above the rows, so a user's view inside a batch buffer never
+    # reaches into the next user's rows.
+    @staticmethod
+    def _row_dim(name: str) -> int:
+        return 2 if name in ("keys", "values") else 1
+
+    def capacity(self) -> int:
+        """Rows every tensor's buffer holds for each user (>= num_rows)."""
+        caps = []
+        for f in fields(self):
+            if f.name == "lengths":
+                continue
+            t, d = getattr(self, f.name), self._row_dim(f.name)
+            row = t.stride(d)
+            cap = t.stride(d - 1) // row if row else 0
+            # the buffer must really extend that far (a last user's view ends at the storage end)
+            extent = t.storage_offset() + sum((s - 1) * st for s, st in zip(t.shape, t.stride()) if s) + 1
+            extent += (cap - t.shape[d]) * row
+            caps.append(cap if t.numel() and extent * t.element_size() <= t.untyped_storage().nbytes() else t.shape[d])
+        return max(self.num_rows, min(caps))
+
+    def reserve(self, capacity: int) -> "HistoryCache":
+        """The same cache in fresh buffers of `capacity` rows (zero past num_rows)."""
+        capacity = max(int(capacity), self.num_rows)
+
+        def grow(name, t):
+            if name == "lengths":
+                return t
+            d = self._row_dim(name)
+            shape = list(t.shape)
+            shape[d] = capacity
+            buf = t.new_zeros(shape)
+            view = buf.narrow(d, 0, t.shape[d])
+            view.copy_(t)
+            return view
+
+        return self._map(grow)
+
+    def grown(self, n: int) -> "HistoryCache":
+        """Views of the first n rows of this cache's buffers (n <= capacity()); rows past
+        num_rows are whatever the buffer holds there (the caller writes them)."""
+        def view(name, t):
+            if name == "lengths":
+                return t
+            d = self._row_dim(name)
+            shape = list(t.shape)
+            shape[d] = n
+            return t.as_strided(shape, t.stride(), t.storage_offset())
+
+        return self._map(view)
+
     # ---- device / bookkeeping -----------------------------------------------------------
     def to(self, device=None, dtype: torch.dtype | None = None) -> "HistoryCache":
         """Move to `device`; `dtype` (if given) applies to the float tensors only."""
@@ -140,8 +195,13 @@ class HistoryCache:
         return self._map(lambda name, t: t.clone())
 
     def num_bytes(self) -> int:
-        """Memory held by the tensors (for the session store's memory bound)."""
-        return sum(getattr(self, f.name).numel() * getattr(self, f.name).element_size() for f in fields(self))
+        """Memory held by the tensors, spare rows included (for the session store's bound)."""
+        rows = self.num_rows
+        scale = self.capacity() / rows if rows else 1.0
+        return int(sum(
+            getattr(self, f.name).numel() * getattr(self, f.name).element_size() * (1.0 if f.name == "lengths" else scale)
+            for f in fields(self)
+        ))
 
 
 # --------------------------------------------------------------------------------------------
@@ -306,10 +366,19 @@ class HSTUEncoder(nn.Module):
         actions: torch.Tensor,  # [B, Nn]
         timestamps: torch.Tensor,  # [B, Nn]
         new_lengths: torch.Tensor,  # [B] long, may be 0 for some users
+        in_place: bool = False,
     ) -> HistoryCache:
         """Encode only the new events: user b's new event i sits at position cache.lengths[b] + i
         and attends causally to the cached rows and the new rows before it. Returns the cache of
         the combined histories (N = longest combined history).
+
+        in_place: write the new rows into the spare rows of the cache's buffers (see
+        ``HistoryCache.capacity``; full buffers are first regrown to twice the rows, at most
+        max_seq_len) instead of copying every cached row into fresh tensors, so that one event
+        costs O(1) memory traffic, not O(N). Taken when every user's cached history fills its N rows
+        and every user appends Nn events (always so for one user), else the copying path runs.
+        The result shares memory with `cache`, whose own rows stay as they were; a second
+        in-place append to the same `cache` overwrites the first one's new rows.
 
         Raises ValueError if a combined history would exceed cfg.max_seq_len: positions past the
         bias table and the fixed divisor are not defined there, so the caller must re-encode
@@ -318,7 +387,9 @@ class HSTUEncoder(nn.Module):
         total = cache.lengths + new_lengths
         _check_length(total, self.cfg.max_seq_len, "append")
         B, Nn = items.shape
-        n_out = int(total.max()) if B else 0
+        No = cache.num_rows
+        in_place = in_place and bool((cache.lengths == No).all()) and bool((new_lengths == Nn).all())
+        n_out = No + Nn if in_place else (int(total.max()) if B else 0)
         old_len = cache.lengths
         new_valid = row_mask(new_lengths, Nn)
         nmask = new_valid[..., None].to(self.item_embedding.weight.dtype)
@@ -326,18 +397,35 @@ class HSTUEncoder(nn.Module):
         x = self.embed(items, actions) * nmask
         q_pos = old_len[:, None] + torch.arange(Nn, device=items.device)[None, :]  # [B, Nn]
         k_pos = torch.arange(n_out, device=items.device).expand(B, n_out)  # row index = position
-        k_ts = merge_rows(cache.timestamps, timestamps, old_len, new_lengths, n_out)
         no_self = torch.full_like(q_pos, -1)
-        # every layer's merged rows go straight into the stacked cache tensors
-        keys = cache.keys.new_empty((len(self.layers), B, n_out, *cache.keys.shape[3:]))
-        values = cache.values.new_empty((len(self.layers), B, n_out, *cache.values.shape[3:]))
+        if in_place:
+            if cache.capacity() < n_out:
+                cache = cache.reserve(min(self.cfg.max_seq_len, 2 * n_out))
+            out = cache.grown(n_out)  # rows No.. are written below
+            out.timestamps[:, No:].copy_(timestamps)
+            keys, values, k_ts = out.keys, out.values, out.timestamps
+        else:
+            k_ts = merge_rows(cache.timestamps, timestamps, old_len, new_lengths, n_out)
+            # every layer's merged rows go straight into the stacked cache tensors
+            keys = cache.keys.new_empty((len(self.layers), B, n_out, *cache.keys.shape[3:]))
+            values = cache.values.new_empty((len(self.layers), B, n_out, *cache.values.shape[3:]))
         for li, layer in enumerate(self.layers):
             u, q, k, v = layer.project(x)
-            k_all = merge_rows(cache.keys[li], k, old_len, new_lengths, n_out, out=keys[li])  # [B, n_out, H, dqk]
-            v_all = merge_rows(cache.values[li], v, old_len, new_lengths, n_out, out=values[li])
+            if in_place:
+                keys[li, :, No:].copy_(k)
+                values[li, :, No:].copy_(v)
+                k_all, v_all = keys[li], values[li]  # [B, n_out, H, dqk]
+            else:
+                k_all = merge_rows(cache.keys[li], k, old_len, new_lengths, n_out, out=keys[li])
+                v_all = merge_rows(cache.values[li], v, old_len, new_lengths, n_out, out=values[li])
             attn = layer.attend(q, k_all, v_all, q_pos, k_pos, timestamps, k_ts, total, no_self)
             x = layer.output(x, attn, u)
-        states = merge_rows(cache.states, self.final_norm(x) * nmask, old_len, new_lengths, n_out)
+        new_states = self.final_norm(x) * nmask
+        if in_place:
+            out.states[:, No:].copy_(new_states)
+            states = out.states
+        else:
+            states = merge_rows(cache.states, new_states, old_len, new_lengths, n_out)
         return HistoryCache(
             keys=keys,
             values=values,

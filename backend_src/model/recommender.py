@@ -93,8 +93,8 @@ class GenerativeRecommender(nn.Module):
     def encode(self, items, actions, timestamps, lengths) -> HistoryCache:
         return self.backbone(items, actions, timestamps, lengths)
 
-    def append(self, cache: HistoryCache, items, actions, timestamps, new_lengths) -> HistoryCache:
-        return self.backbone.append(cache, items, actions, timestamps, new_lengths)
+    def append(self, cache: HistoryCache, items, actions, timestamps, new_lengths, in_place: bool = False) -> HistoryCache:
+        return self.backbone.append(cache, items, actions, timestamps, new_lengths, in_place=in_place)
 
     def retrieve(self, cache: HistoryCache, options: DecodeOptions) -> BeamResult:
         return generate(self.decoder, self.codebook, cache.states, cache.lengths, options)

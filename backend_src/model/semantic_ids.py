@@ -13,6 +13,7 @@ from collections import Counter
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 NUM_LEVELS = 4  # 3 k-means levels + 1 collision code
@@ -355,13 +356,16 @@ class SemanticIdCodebook(nn.Module):
         """prefix_ids [...] -> float [..., C_t]: 0 for the codes that continue some existing
         item, -inf for the others; all 0 for dead prefixes (-1), whose beams already carry a
         -inf log-probability. Added to the logits, it constrains decoding with one gather."""
-        return getattr(self, f"bias_{level}")[prefix_ids]
+        table = getattr(self, f"bias_{level}")
+        # a row gather (index_select) is several times faster on CPU than advanced indexing
+        return F.embedding(prefix_ids % table.shape[0], table)  # -1 -> the last (all-0) row
 
     def advance(self, prefix_ids: torch.Tensor, codes: torch.Tensor, level: int) -> torch.Tensor:
         """Level-t prefix ids and the next codes -> level-(t+1) prefix ids (-1 if invalid)."""
         table = self.child(level)
         ok = (prefix_ids >= 0) & (codes >= 0) & (codes < table.shape[1])
-        nxt = table[prefix_ids.clamp_min(0), codes.clamp(0, table.shape[1] - 1)]
+        flat = prefix_ids.clamp_min(0) * table.shape[1] + codes.clamp(0, table.shape[1] - 1)
+        nxt = torch.take(table, flat)  # one flat gather: much cheaper than a 2-D index on CPU
         return torch.where(ok, nxt, torch.full_like(nxt, -1))
 
     def items_of(self, final_prefix_ids: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,7 @@ def _row_mask(lengths: torch.Tensor, n: int) -> torch.Tensor:
 def time_bucket(dt: torch.Tensor, num_buckets: int, base: float) -> torch.Tensor:
     """Log-bucketed |time difference| (seconds): bucket = floor(log(1 + |dt|) / log(base)), clipped."""
     dt = dt.abs().to(torch.float32)
-    return torch.clamp((torch.log1p(dt) / math.log(base)).floor().long(), 0, num_buckets - 1)
+    return torch.log1p_(dt).div_(math.log(base)).floor_().clamp_(0, num_buckets - 1).long()
 
 
 # --------------------------------------------------------------------------------------------
@@ -52,13 +52,15 @@ def hstu_attention(
     B, M, H, _ = q.shape
     Nk = k.shape[1]
     logits = torch.einsum("bmhd,bnhd->bhmn", q, k) * scale
-    rel = (q_pos[:, :, None] - k_pos[:, None, :]).clamp(0, pos_bias.shape[1] - 1)  # [B, M, Nk]
+    rel = (q_pos[:, :, None] - k_pos[:, None, :]).clamp_(0, pos_bias.shape[1] - 1)  # [B, M, Nk]
     tb = time_bucket(q_ts[:, :, None] - k_ts[:, None, :], time_bias.shape[1], time_base)
-    logits = logits + pos_bias[:, rel].permute(1, 0, 2, 3) + time_bias[:, tb].permute(1, 0, 2, 3)
+    # both biases as row gathers of the [H, P] / [H, T] tables: [H, B*M*Nk] -> [B, H, M, Nk]
+    bias = pos_bias.index_select(1, rel.view(-1)) + time_bias.index_select(1, tb.view(-1))
+    logits += bias.view(H, B, M, Nk).transpose(0, 1)
     j = torch.arange(Nk, device=q.device)
     hist = (j[None, None, :] < num_history[:, None, None]) & (k_pos[:, None, :] <= q_pos[:, :, None])
     allowed = hist | (j[None, None, :] == q_self[:, :, None])  # [B, M, Nk]
-    attn = F.silu(logits) / norm * allowed[:, None].to(logits.dtype)
+    attn = F.silu(logits).mul_((allowed / norm).to(logits.dtype)[:, None])
     return torch.einsum("bhmn,bnhd->bmhd", attn, v)
 
 
@@ -111,11 +113,16 @@ def pfa_select(
     B, W, H, d = q.shape
     N = k.shape[1]
     valid = _row_mask(lengths, N)
-    # weights in [B, H, W, N] layout, so that pooling over (head, beam) is one batched matvec
-    logits = torch.matmul((q * d**-0.5).transpose(1, 2), k.permute(0, 2, 3, 1))
-    probs = torch.softmax(logits.masked_fill_(~valid[:, None, None, :], float("-inf")), dim=-1)
-    pool = (beam_weights.to(probs.dtype) / H)[:, None, :].expand(B, H, W).reshape(B, 1, H * W)
-    scores = torch.bmm(pool, probs.reshape(B, H * W, N)).squeeze(1)  # s_i, [B, N]
+    row_bias = torch.zeros(B, 1, N, dtype=q.dtype, device=q.device).masked_fill_(~valid[:, None, :], float("-inf"))
+    q_scaled = q * d**-0.5
+    scores = None
+    for h in range(H):  # per head, K_h [B, N, dh] is read in place (a strided matrix, no copy)
+        e = torch.baddbmm(row_bias, q_scaled[:, :, h], k[:, :, h].transpose(1, 2))  # logits [B, W, N]
+        e = e.sub_(e.amax(-1, keepdim=True)).exp_()  # unnormalized softmax
+        # a_bhi = e_bhi / z_bh: the normalizer goes into the pooling weights w_b / (H z_bh)
+        pool = beam_weights.to(e.dtype) / (H * e.sum(-1))  # [B, W]
+        part = torch.bmm(pool[:, None, :], e).squeeze(1)  # [B, N]
+        scores = part if scores is None else scores.add_(part)  # s_i
     scores = scores.masked_fill(~valid, float("-inf"))
     keep = min(keep, k.shape[1])
     order = torch.topk(scores, keep, dim=1, sorted=True).indices  # [B, keep]

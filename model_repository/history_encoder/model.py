@@ -139,7 +139,10 @@ class TritonPythonModel:
             for p in append:
                 if p.items.shape[0] == 0:
                     p.cache = p.session.cache  # nothing new: recommend on the cached history
-            if grow:
+            if len(grow) == 1:  # one session: its new rows go into its cache's spare rows
+                p = grow[0]
+                p.cache = self.model.append(p.session.cache, *self._pad(grow), in_place=True)
+            elif grow:
                 cache = self.HistoryCache.cat([p.session.cache for p in grow])
                 items, actions, ts, lengths = self._pad(grow)
                 for p, c in zip(grow, self.model.append(cache, items, actions, ts, lengths).split()):
