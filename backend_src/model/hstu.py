@@ -28,6 +28,13 @@ from backend_src.config import ModelConfig
 # --------------------------------------------------------------------------------------------
 # Cache
 # --------------------------------------------------------------------------------------------
+def _rows_shape(t: torch.Tensor, row_dim: int, n: int) -> list:
+    """t's shape with n rows in dimension row_dim."""
+    shape = list(t.shape)
+    shape[row_dim] = n
+    return shape
+
+
 @dataclass
 class HistoryCache:
     """What the encoder keeps per user (batched, left-aligned padded; rows >= lengths[b] are 0)."""
@@ -89,17 +96,8 @@ class HistoryCache:
         if n == cur:
             return self
         if n < cur:
-            return self._map(lambda name, t: t if name == "lengths" else t[:, :, :n] if name in ("keys", "values") else t[:, :n])
-
-        def pad(name, t):
-            if name == "lengths":
-                return t
-            dim = 2 if name in ("keys", "values") else 1
-            shape = list(t.shape)
-            shape[dim] = n - cur
-            return torch.cat([t, t.new_zeros(shape)], dim=dim)
-
-        return self._map(pad)
+            return self._map_rows(lambda t, d: t.narrow(d, 0, n))
+        return self._map_rows(lambda t, d: torch.cat([t, t.new_zeros(_rows_shape(t, d, n - cur))], dim=d))
 
     def trim(self) -> "HistoryCache":
         """Drop padding rows past the longest history."""
@@ -136,6 +134,10 @@ class HistoryCache:
     def _row_dim(name: str) -> int:
         return 2 if name in ("keys", "values") else 1
 
+    def _map_rows(self, fn) -> "HistoryCache":
+        """Apply fn(tensor, row_dim) to every per-row field (lengths stay)."""
+        return self._map(lambda name, t: t if name == "lengths" else fn(t, self._row_dim(name)))
+
     def capacity(self) -> int:
         """Rows every tensor's buffer holds for each user (>= num_rows)."""
         caps = []
@@ -144,7 +146,8 @@ class HistoryCache:
                 continue
             t, d = getattr(self, f.name), self._row_dim(f.name)
             row = t.stride(d)
-            cap = t.stride(d - 1) // row if row else 0
+            inner = sum((s - 1) * st for s, st in zip(t.shape[d + 1:], t.stride()[d + 1:])) + 1  # one row's span
+            cap = t.stride(d - 1) // row if row >= inner else 0
             # the buffer must really extend that far (a last user's view ends at the storage end)
             extent = t.storage_offset() + sum((s - 1) * st for s, st in zip(t.shape, t.stride()) if s) + 1
             extent += (cap - t.shape[d]) * row
@@ -154,32 +157,12 @@ class HistoryCache:
     def reserve(self, capacity: int) -> "HistoryCache":
         """The same cache in fresh buffers of `capacity` rows (zero past num_rows)."""
         capacity = max(int(capacity), self.num_rows)
-
-        def grow(name, t):
-            if name == "lengths":
-                return t
-            d = self._row_dim(name)
-            shape = list(t.shape)
-            shape[d] = capacity
-            buf = t.new_zeros(shape)
-            view = buf.narrow(d, 0, t.shape[d])
-            view.copy_(t)
-            return view
-
-        return self._map(grow)
+        return self._map_rows(lambda t, d: t.new_zeros(_rows_shape(t, d, capacity)).narrow(d, 0, t.shape[d]).copy_(t))
 
     def grown(self, n: int) -> "HistoryCache":
         """Views of the first n rows of this cache's buffers (n <= capacity()); rows past
         num_rows are whatever the buffer holds there (the caller writes them)."""
-        def view(name, t):
-            if name == "lengths":
-                return t
-            d = self._row_dim(name)
-            shape = list(t.shape)
-            shape[d] = n
-            return t.as_strided(shape, t.stride(), t.storage_offset())
-
-        return self._map(view)
+        return self._map_rows(lambda t, d: t.as_strided(_rows_shape(t, d, n), t.stride(), t.storage_offset()))
 
     # ---- device / bookkeeping -----------------------------------------------------------
     def to(self, device=None, dtype: torch.dtype | None = None) -> "HistoryCache":
