@@ -72,8 +72,8 @@ class SemanticIdDecoder(nn.Module):
         self, q: torch.Tensor, states: torch.Tensor, lengths: torch.Tensor, step: int
     ) -> torch.Tensor:
         """Softmax attention of q [B, M, H, dh] over step `step`'s K/V of the first lengths[b]
-        rows of states [B, N, D], without projecting the rows: with k_j = W_k x_j + b_k and
-        v_j = W_v x_j (biases: see the module docstring),  q.k_j = (W_k^T q).x_j  and
+        rows of states [B, N, D], without projecting the rows: with the unbiased k_j = W_k x_j and
+        v_j = W_v x_j (see the module docstring),  q.k_j = (W_k^T q).x_j  and
         sum_j p_j v_j = W_v (sum_j p_j x_j).
         Costs ~4 M H N D multiply-adds instead of the projection's 2 N D^2, so it is the
         cheaper path while M H < D / 2 (step 0, where every user has one beam) -> [B, M, H, dh]."""
