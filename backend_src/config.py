@@ -80,6 +80,5 @@ class TrainConfig:
     weight_decay: float = 0.0
     stochastic_length_alpha: float = 2.0  # 2.0 = off; seed 001 uses about 1.6 for long histories
     ranker_weight: float = 1.0
-    ranker_positions: int = 1  # history positions per user that train the ranker in each batch
     seed: int = 0
     extra: dict = field(default_factory=dict)

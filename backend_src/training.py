@@ -70,15 +70,12 @@ def losses(model: GenerativeRecommender, batch, sampler: NegativeSampler, tcfg: 
     out = {"retrieval": gen_loss}
 
     if tcfg.ranker_weight > 0:
-        # P random positions per user (with replacement): each next item against sampled negatives
-        P = tcfg.ranker_positions
-        n_valid = valid.sum(1).repeat_interleave(P)
+        # one random position per user: its next item against sampled negatives
+        n_valid = valid.sum(1)
         pos = (torch.rand(len(n_valid), generator=gen) * n_valid).long()
-        users = torch.arange(len(valid)).repeat_interleave(P)
-        positives = targets[users, pos]
+        positives = targets.gather(1, pos[:, None]).squeeze(1)
         negatives = sampler.sample(positives, model.cfg.ranker_negatives, gen)
-        rows = cache if P == 1 else cache.select(users)
-        out["ranking"] = tcfg.ranker_weight * model.ranker.training_loss(rows, pos, positives, negatives)
+        out["ranking"] = tcfg.ranker_weight * model.ranker.training_loss(cache, pos, positives, negatives)
 
     dense_weight = tcfg.extra.get("dense_weight", 1.0)
     if dense_weight > 0:

@@ -46,7 +46,6 @@ def parse_args(argv=None):
     p.add_argument("--alpha", type=float, default=2.0, help="stochastic length alpha (2 = off)")
     p.add_argument("--shared-kv", action="store_true", help="PFA ablation: one K/V projection for all steps")
     p.add_argument("--ranker-weight", type=float, default=1.0)
-    p.add_argument("--ranker-positions", type=int, default=1, help="positions per user that train the ranker")
     p.add_argument("--dense-weight", type=float, default=1.0)
     p.add_argument("--valid-users", type=int, default=2000, help="users in the per-epoch validation check")
     p.add_argument("--test-users", type=int, default=None, help="limit the final test evaluation")
@@ -77,7 +76,6 @@ def main(argv=None):
         lr=args.lr,
         stochastic_length_alpha=args.alpha,
         ranker_weight=args.ranker_weight,
-        ranker_positions=args.ranker_positions,
         seed=args.seed,
         extra={"dense_weight": args.dense_weight},
     )
