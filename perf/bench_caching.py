@@ -2,8 +2,9 @@
 the whole history with forward, for one user and for a batch of users.
 
 append encodes only the new rows (they attend to the cached K/V), forward recomputes every row:
-O(n) vs O(n^2) attention work for one new event. Both give the same states (checked, reported
-as max_abs_diff).
+O(n) vs O(n^2) attention work for one new event. append_E writes the new rows into spare rows
+of the cached buffers (in_place=True, the server's path for one session), append_copy_E builds
+a new combined cache. All give the same states (checked, reported as max_abs_diff).
 
     python -m perf.bench_caching            # default configuration (about a minute on 2 cores)
     python -m perf.bench_caching --quick    # tiny smoke configuration
