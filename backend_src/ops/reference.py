@@ -103,9 +103,10 @@ def pfa_select(
     """PFA selection step.
 
     s_i = sum_b w_b * mean_h a_{b,h,i}  (one importance score per history row, shared by all beams)
-    order = the `keep` best rows by s, best first.  The step's own output reuses the weights it
-    already computed, restricted to the kept rows and renormalized (which is the softmax over
-    the kept rows' logits, so it is computed as attention over the gathered rows).
+    order = the `keep` best rows by s, best first.  The step's own output uses its weights
+    restricted to the kept rows and renormalized (the softmax over the kept rows' logits): from the
+    exponentials already computed when at least half the rows are kept, else as attention over the
+    gathered rows (the smaller product when few are kept).
 
     Returns out [B, W, H, d], order [B, keep'] (keep' = min(keep, N); entries past kept_lengths[b]
     are padding), kept_lengths [B] = min(keep, lengths).
@@ -115,7 +116,7 @@ def pfa_select(
     valid = _row_mask(lengths, N)
     row_bias = torch.zeros(B, 1, N, dtype=q.dtype, device=q.device).masked_fill_(~valid[:, None, :], float("-inf"))
     q_scaled = q * d**-0.5
-    scores = None
+    scores, exps = None, []
     for h in range(H):  # per head, K_h [B, N, dh] is read in place (a strided matrix, no copy)
         e = torch.baddbmm(row_bias, q_scaled[:, :, h], k[:, :, h].transpose(1, 2))  # logits [B, W, N]
         e = e.sub_(e.amax(-1, keepdim=True)).exp_()  # unnormalized softmax
@@ -123,12 +124,21 @@ def pfa_select(
         pool = beam_weights.to(e.dtype) / (H * e.sum(-1))  # [B, W]
         part = torch.bmm(pool[:, None, :], e).squeeze(1)  # [B, N]
         scores = part if scores is None else scores.add_(part)  # s_i
+        exps.append(e)
     scores = scores.masked_fill(~valid, float("-inf"))
     keep = min(keep, k.shape[1])
     order = torch.topk(scores, keep, dim=1, sorted=True).indices  # [B, keep]
     kept_lengths = torch.clamp(lengths, max=keep)
-    out = decode_attention(q, gather_rows(k, order), gather_rows(v, order), kept_lengths)
-    return out, order, kept_lengths
+    if N > 2 * keep:  # few rows kept: attention over the gathered rows is the smaller product
+        out = decode_attention(q, gather_rows(k, order), gather_rows(v, order), kept_lengths)
+        return out, order, kept_lengths
+    # else reuse the exponentials: zero the dropped rows, renormalize, one product per head
+    mask = torch.zeros_like(scores).scatter_(1, order, 1.0)[:, None, :]  # [B, 1, N]
+    heads = []
+    for h, e in enumerate(exps):
+        e = e.mul_(mask)  # the kept rows' exponentials
+        heads.append(torch.bmm(e, v[:, :, h]) / e.sum(-1, keepdim=True))
+    return torch.stack(heads, dim=2), order, kept_lengths  # [B, W, H, d]
 
 
 def dynamic_topk_attention(
