@@ -132,12 +132,13 @@ def pfa_select(
     if N > 2 * keep:  # few rows kept: attention over the gathered rows is the smaller product
         out = decode_attention(q, gather_rows(k, order), gather_rows(v, order), kept_lengths)
         return out, order, kept_lengths
-    # else reuse the exponentials: zero the dropped rows, renormalize, one product per head
-    mask = torch.zeros_like(scores).scatter_(1, order, 1.0)[:, None, :]  # [B, 1, N]
+    # else reuse the exponentials: per head one product with [V * keep, keep] gives the kept rows'
+    # weighted values and, in the extra column, their weight sum (the renormalizer)
+    keep_rows = torch.zeros_like(scores).scatter_(1, order, 1.0)[:, :, None]  # [B, N, 1]
     heads = []
     for h, e in enumerate(exps):
-        e = e.mul_(mask)  # the kept rows' exponentials
-        heads.append(torch.bmm(e, v[:, :, h]) / e.sum(-1, keepdim=True))
+        kept = torch.bmm(e, torch.cat([v[:, :, h] * keep_rows, keep_rows], dim=-1))  # [B, W, d + 1]
+        heads.append(kept[..., :d] / kept[..., d:])
     return torch.stack(heads, dim=2), order, kept_lengths  # [B, W, H, d]
 
 
