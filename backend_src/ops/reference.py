@@ -103,10 +103,10 @@ def pfa_select(
     """PFA selection step.
 
     s_i = sum_b w_b * mean_h a_{b,h,i}  (one importance score per history row, shared by all beams)
-    order = the `keep` best rows by s, best first.  The step's own output uses its weights
-    restricted to the kept rows and renormalized (the softmax over the kept rows' logits): from the
-    exponentials already computed when at least half the rows are kept, else as attention over the
-    gathered rows (the smaller product when few are kept).
+    order = the `keep` best rows by s, best first.  The step's own output reuses the weights it
+    already computed, restricted to the kept rows and renormalized (which is the softmax over
+    the kept rows' logits, so it is computed as attention over the gathered rows: reusing the
+    exponentials instead measured 20% faster on one thread at N = 2k but slower on two).
 
     Returns out [B, W, H, d], order [B, keep'] (keep' = min(keep, N); entries past kept_lengths[b]
     are padding), kept_lengths [B] = min(keep, lengths).
@@ -116,7 +116,7 @@ def pfa_select(
     valid = _row_mask(lengths, N)
     row_bias = torch.zeros(B, 1, N, dtype=q.dtype, device=q.device).masked_fill_(~valid[:, None, :], float("-inf"))
     q_scaled = q * d**-0.5
-    scores, exps = None, []
+    scores = None
     for h in range(H):  # per head, K_h [B, N, dh] is read in place (a strided matrix, no copy)
         e = torch.baddbmm(row_bias, q_scaled[:, :, h], k[:, :, h].transpose(1, 2))  # logits [B, W, N]
         e = e.sub_(e.amax(-1, keepdim=True)).exp_()  # unnormalized softmax
@@ -124,22 +124,12 @@ def pfa_select(
         pool = beam_weights.to(e.dtype) / (H * e.sum(-1))  # [B, W]
         part = torch.bmm(pool[:, None, :], e).squeeze(1)  # [B, N]
         scores = part if scores is None else scores.add_(part)  # s_i
-        exps.append(e)
     scores = scores.masked_fill(~valid, float("-inf"))
     keep = min(keep, k.shape[1])
     order = torch.topk(scores, keep, dim=1, sorted=True).indices  # [B, keep]
     kept_lengths = torch.clamp(lengths, max=keep)
-    if N > 2 * keep:  # few rows kept: attention over the gathered rows is the smaller product
-        out = decode_attention(q, gather_rows(k, order), gather_rows(v, order), kept_lengths)
-        return out, order, kept_lengths
-    # else reuse the exponentials: per head one product with [V * keep, keep] gives the kept rows'
-    # weighted values and, in the extra column, their weight sum (the renormalizer)
-    keep_rows = torch.zeros_like(scores).scatter_(1, order, 1.0)[:, :, None]  # [B, N, 1]
-    heads = []
-    for h, e in enumerate(exps):
-        kept = torch.bmm(e, torch.cat([v[:, :, h] * keep_rows, keep_rows], dim=-1))  # [B, W, d + 1]
-        heads.append(kept[..., :d] / kept[..., d:])
-    return torch.stack(heads, dim=2), order, kept_lengths  # [B, W, H, d]
+    out = decode_attention(q, gather_rows(k, order), gather_rows(v, order), kept_lengths)
+    return out, order, kept_lengths
 
 
 def dynamic_topk_attention(
