@@ -15,10 +15,9 @@ import argparse
 
 import torch
 
-from backend_src.config import ModelConfig
-from backend_src.model.hstu import HSTUEncoder
 from perf.common import (
-    add_common_args, fill_defaults, host_load, interleaved, log, median_s, ratio, save_result, setup_torch, summary_ms,
+    add_common_args, fill_defaults, host_load, interleaved, log, median_s, random_hstu, ratio, save_result, setup_torch,
+    summary_ms,
 )
 
 GOAL_SPEEDUP_ONE_EVENT = 20.0
@@ -98,10 +97,7 @@ def main(argv=None) -> dict:
     load_start = host_load()
     setup_torch(args.threads, args.seed)
     n = args.history
-    cfg = ModelConfig(num_items=args.items, d_model=args.d_model, num_layers=args.layers, num_heads=args.heads,
-                      max_seq_len=n + max(args.new_events))
-    torch.manual_seed(args.seed)
-    encoder = HSTUEncoder(cfg).eval()
+    _, encoder = random_hstu(args, max_seq_len=n + max(args.new_events))
     log(f"caching: history {n}, d{args.d_model}, {args.layers} layers, {args.heads} heads, "
         f"threads {args.thread_counts}")
     model_name = f"HSTU(random init, d{args.d_model}, {args.layers} layers, {args.heads} heads)"

@@ -20,11 +20,10 @@ import argparse
 
 import torch
 
-from backend_src.config import ModelConfig
-from backend_src.model.hstu import HSTUEncoder
 from backend_src.model.ranker import RANK_ACTION, MFalconRanker
 from perf.common import (
-    add_common_args, fill_defaults, host_load, interleaved, log, median_s, ratio, save_result, setup_torch, summary_ms,
+    add_common_args, fill_defaults, host_load, interleaved, log, median_s, random_hstu, ratio, save_result, setup_torch,
+    summary_ms,
 )
 
 GOAL_SPEEDUP_AT_1024 = 100.0
@@ -61,10 +60,7 @@ def main(argv=None) -> dict:
     load_start = host_load()
     setup_torch(args.threads, args.seed)
     n = args.history
-    cfg = ModelConfig(num_items=args.items, d_model=args.d_model, num_layers=args.layers, num_heads=args.heads,
-                      max_seq_len=n + 1)
-    torch.manual_seed(args.seed)
-    encoder = HSTUEncoder(cfg).eval()
+    cfg, encoder = random_hstu(args, max_seq_len=n + 1)
     ranker = MFalconRanker(encoder, cfg).eval()
     gen = torch.Generator().manual_seed(args.seed)
     hist_items = torch.randint(1, args.items + 1, (1, n), generator=gen)

@@ -56,6 +56,18 @@ def setup_torch(threads: int, seed: int = 0) -> None:
     torch.manual_seed(seed)
 
 
+def random_hstu(args: argparse.Namespace, max_seq_len: int):
+    """A randomly initialized HSTU encoder (eval mode) from the benchmark's --items/--d-model/--layers/
+    --heads flags: latency does not depend on training. Returns (config, encoder)."""
+    from backend_src.config import ModelConfig
+    from backend_src.model.hstu import HSTUEncoder
+
+    cfg = ModelConfig(num_items=args.items, d_model=args.d_model, num_layers=args.layers, num_heads=args.heads,
+                      max_seq_len=max_seq_len)
+    torch.manual_seed(args.seed)
+    return cfg, HSTUEncoder(cfg).eval()
+
+
 def interleaved(
     variants: dict[str, Callable[[], object]],
     reps: int,

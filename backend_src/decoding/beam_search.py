@@ -40,11 +40,6 @@ def _beam_weights(log_probs: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num(w, nan=0.0)
 
 
-def _gather_beams(x: torch.Tensor, parent: torch.Tensor) -> torch.Tensor:
-    """x [B, W_old, ...], parent [B, W_new] -> [B, W_new, ...] (whole rows, as gather_rows)."""
-    return ops.gather_rows(x, parent)
-
-
 @torch.no_grad()
 def generate(decoder, codebook, states: torch.Tensor, lengths: torch.Tensor, options: DecodeOptions) -> BeamResult:
     """states [B, N, D] history states (left-aligned), lengths [B] (>= 1) -> top-W items per user."""
@@ -140,11 +135,11 @@ def generate(decoder, codebook, states: torch.Tensor, lengths: torch.Tensor, opt
         prefix = codebook.advance(torch.gather(prefix, 1, parent), code, t)
         prefix = torch.where(alive, prefix, torch.full_like(prefix, -1))
         code = torch.where(alive, code, torch.full_like(code, -1))
-        codes = torch.cat([_gather_beams(codes, parent), code[:, :, None]], dim=2)
-        if t + 1 < T:  # reorder per-beam state by parent
-            prefix_emb = _gather_beams(prefix_emb, parent) + decoder.code_embedding(code, t)
+        codes = torch.cat([ops.gather_rows(codes, parent), code[:, :, None]], dim=2)
+        if t + 1 < T:  # reorder per-beam state by parent (ops.gather_rows: x [B, W_old, ...] -> [B, W_new, ...])
+            prefix_emb = ops.gather_rows(prefix_emb, parent) + decoder.code_embedding(code, t)
             if beam_order is not None:
-                beam_order = _gather_beams(beam_order, parent)
+                beam_order = ops.gather_rows(beam_order, parent)
                 beam_kept_len = torch.gather(beam_kept_len, 1, parent)
 
     items = codebook.items_of(prefix)
