@@ -16,8 +16,8 @@ import argparse
 import torch
 
 from perf.common import (
-    add_common_args, fill_defaults, host_load, interleaved, log, median_s, random_hstu, ratio, save_result, setup_torch,
-    summary_ms,
+    add_common_args, device_sync, fill_defaults, host_load, interleaved, log, median_s, random_hstu, ratio, save_result,
+    setup_torch, summary_ms,
 )
 
 GOAL_SPEEDUP_ONE_EVENT = 20.0
@@ -51,20 +51,21 @@ def measure(encoder, args, n: int, model_name: str, threads: int) -> list[dict]:
     """Append vs re-encode for every batch size and new-event count at one thread count."""
     rows = []
     gen = torch.Generator().manual_seed(args.seed)
+    dev = args.device
     for users in args.users:
         total = n + max(args.new_events)
-        items = torch.randint(1, args.items + 1, (users, total), generator=gen)
-        actions = torch.randint(1, 6, (users, total), generator=gen)
-        ts = torch.sort(torch.randint(0, 90 * 86400, (users, total), generator=gen), dim=1).values
-        lengths = torch.full((users,), n)
+        items = torch.randint(1, args.items + 1, (users, total), generator=gen).to(dev)
+        actions = torch.randint(1, 6, (users, total), generator=gen).to(dev)
+        ts = torch.sort(torch.randint(0, 90 * 86400, (users, total), generator=gen), dim=1).values.to(dev)
+        lengths = torch.full((users,), n, device=dev)
         with torch.inference_mode():
             cache = encoder(items[:, :n], actions[:, :n], ts[:, :n], lengths)
             # a served session's cache, grown geometrically, has spare rows for the next events
             roomy = cache.reserve(2 * n)
         calls, diffs = {}, {}
         for e in args.new_events:
-            new = (items[:, n : n + e], actions[:, n : n + e], ts[:, n : n + e], torch.full((users,), e))
-            whole = (items[:, : n + e], actions[:, : n + e], ts[:, : n + e], torch.full((users,), n + e))
+            new = (items[:, n : n + e], actions[:, n : n + e], ts[:, n : n + e], torch.full((users,), e, device=dev))
+            whole = (items[:, : n + e], actions[:, : n + e], ts[:, : n + e], torch.full((users,), n + e, device=dev))
             calls[f"append_{e}"] = lambda new=new: encoder.append(roomy, *new, in_place=True)
             calls[f"append_copy_{e}"] = lambda new=new: encoder.append(cache, *new)
             calls[f"forward_{n + e}"] = lambda whole=whole: encoder(*whole)
@@ -72,7 +73,7 @@ def measure(encoder, args, n: int, model_name: str, threads: int) -> list[dict]:
                 ref = encoder(*whole).states
                 diffs[e] = max(float((encoder.append(c, *new, in_place=p).states - ref).abs().max())
                                for c, p in ((roomy, True), (cache, False)))
-        times = interleaved(calls, args.reps, args.warmup, max_seconds=args.max_seconds)
+        times = interleaved(calls, args.reps, args.warmup, max_seconds=args.max_seconds, sync=device_sync(dev))
         for e in args.new_events:
             t_fwd = median_s(times[f"forward_{n + e}"])
             base = {"dataset": f"synthetic-history-{n}", "model": model_name, "history": n, "users": users,
@@ -95,11 +96,12 @@ def measure(encoder, args, n: int, model_name: str, threads: int) -> list[dict]:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     load_start = host_load()
-    setup_torch(args.threads, args.seed)
+    setup_torch(args.threads, args.seed, args.device)
     n = args.history
     _, encoder = random_hstu(args, max_seq_len=n + max(args.new_events))
+    encoder.to(args.device)
     log(f"caching: history {n}, d{args.d_model}, {args.layers} layers, {args.heads} heads, "
-        f"threads {args.thread_counts}")
+        f"threads {args.thread_counts}, device {args.device}")
     model_name = f"HSTU(random init, d{args.d_model}, {args.layers} layers, {args.heads} heads)"
     rows = []
     for threads in args.thread_counts:
@@ -111,7 +113,7 @@ def main(argv=None) -> dict:
              "into the spare rows of the cached buffers (in_place=True, as the server does for one session); "
              "append_copy_E copies the cached K/V into a new combined cache (the batched path)",
         config=dict(history=n, users=args.users, new_events=args.new_events, d_model=args.d_model,
-                    layers=args.layers, heads=args.heads, threads=args.thread_counts, warmup=args.warmup,
+                    layers=args.layers, heads=args.heads, threads=args.thread_counts, device=args.device, warmup=args.warmup,
                     reps_requested=args.reps, quick=args.quick),
         goal=dict(speedup_one_event=GOAL_SPEEDUP_ONE_EVENT),
     )

@@ -26,7 +26,7 @@ from backend_src.decoding.beam_search import generate
 from backend_src.model.decoder import SemanticIdDecoder
 from backend_src.model.semantic_ids import SemanticIdCodebook
 from perf.common import (
-    add_common_args, fill_defaults, host_load, interleaved, log, median_s, ratio, save_result, setup_torch, summary_ms,
+    add_common_args, device_sync, fill_defaults, host_load, interleaved, log, median_s, ratio, save_result, setup_torch, summary_ms,
 )
 
 # Seed 000, industrial data, history 512, beam 100, 512 users a batch on L20 GPUs (anchors.md)
@@ -133,8 +133,8 @@ def attention_macs(mode: str, n: int, beams: int, heads: int, head_dim: int, k: 
 # --------------------------------------------------------------------------------------------
 # Benchmark
 # --------------------------------------------------------------------------------------------
-def build(num_items: int, d_model: int, heads: int, max_seq_len: int, seed: int):
-    codebook = SemanticIdCodebook.from_codes(synthetic_codes(num_items, seed=seed))
+def build(num_items: int, d_model: int, heads: int, max_seq_len: int, seed: int, device: str = "cpu"):
+    codebook = SemanticIdCodebook.from_codes(synthetic_codes(num_items, seed=seed)).to(device)
     decoders = {}
     for shared in (False, True):
         cfg = ModelConfig(
@@ -142,7 +142,7 @@ def build(num_items: int, d_model: int, heads: int, max_seq_len: int, seed: int)
             codebook_sizes=codebook.codebook_sizes, shared_kv_projection=shared,
         )
         torch.manual_seed(seed)
-        decoders[shared] = SemanticIdDecoder(cfg).eval()
+        decoders[shared] = SemanticIdDecoder(cfg).eval().to(device)
     return codebook, decoders
 
 
@@ -188,21 +188,23 @@ def profile_ops(fn, top: int = 12) -> list[dict]:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     load_start = host_load()
-    setup_torch(args.threads, args.seed)
+    setup_torch(args.threads, args.seed, args.device)
+    dev = args.device
     names = args.variants or list(VARIANTS)
     if "full" not in names:
         names = ["full", *names]
-    codebook, decoders = build(args.items, args.d_model, args.heads, max(args.histories), args.seed)
+    codebook, decoders = build(args.items, args.d_model, args.heads, max(args.histories), args.seed, dev)
     sizes = codebook.codebook_sizes
-    log(f"decode: {args.items} items, codebook sizes {sizes}, beam {args.beam}, threads {args.threads}")
+    log(f"decode: {args.items} items, codebook sizes {sizes}, beam {args.beam}, threads {args.threads}, "
+        f"device {dev} (ops backend {ops.backend_for(torch.empty(0, device=dev))})")
     dataset = f"synthetic-{args.items}-items-sid{'x'.join(map(str, sizes))}"
     model_name = f"SemanticIdDecoder(random init, d{args.d_model}, {args.heads} heads)"
     head_dim = args.d_model // args.heads
     rows, profiles = [], {}
     for n, users in zip(args.histories, args.users):
         gen = torch.Generator().manual_seed(args.seed + n)
-        states = torch.randn(users, n, args.d_model, generator=gen)  # like LayerNorm outputs
-        lengths = torch.full((users,), n, dtype=torch.long)
+        states = torch.randn(users, n, args.d_model, generator=gen).to(dev)  # like LayerNorm outputs
+        lengths = torch.full((users,), n, dtype=torch.long, device=dev)
         calls = {}
         for name in names:
             fields, shared = VARIANTS[name]
@@ -215,9 +217,9 @@ def main(argv=None) -> dict:
         # the history attention of one full-attention step with all beams (full runs 3 such steps
         # after the one-beam step 0): its share of the full decode bounds what fewer MACs can buy
         k1, v1 = decoders[False].project_step(states, 1)
-        q1 = torch.randn(users, args.beam, args.heads, head_dim, generator=gen)
+        q1 = torch.randn(users, args.beam, args.heads, head_dim, generator=gen).to(dev)
         calls["attention_step"] = lambda: ops.decode_attention(q1, k1, v1, lengths)
-        times = interleaved(calls, args.reps, args.warmup, max_seconds=args.max_seconds)
+        times = interleaved(calls, args.reps, args.warmup, max_seconds=args.max_seconds, sync=device_sync(dev))
         full_s = median_s(times["full"])
         attn_share = min(1.0, 3 * median_s(times["attention_step"]) / full_s)
         full_cost = attention_macs("full", n, args.beam, args.heads, head_dim, 256, 1.0, 1)
@@ -276,6 +278,7 @@ def main(argv=None) -> dict:
              "does (steps 1-3), timed on its own",
         config=dict(items=args.items, codebook_sizes=list(sizes), beam=args.beam, d_model=args.d_model,
                     heads=args.heads, histories=args.histories, users=args.users, threads=args.threads,
+                    device=dev, ops_backend=ops.backend_for(torch.empty(0, device=dev)),
                     warmup=args.warmup, reps_requested=args.reps, quick=args.quick),
         paper=dict(measured_speedup_pfa_vs_full=PAPER_MEASURED_SPEEDUP,
                    theoretical_mac_ratio_pfa_vs_full=PAPER_THEORETICAL_MAC_RATIO,

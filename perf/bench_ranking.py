@@ -22,8 +22,8 @@ import torch
 
 from backend_src.model.ranker import RANK_ACTION, MFalconRanker
 from perf.common import (
-    add_common_args, fill_defaults, host_load, interleaved, log, median_s, random_hstu, ratio, save_result, setup_torch,
-    summary_ms,
+    add_common_args, device_sync, fill_defaults, host_load, interleaved, log, median_s, random_hstu, ratio, save_result,
+    setup_torch, summary_ms,
 )
 
 GOAL_SPEEDUP_AT_1024 = 100.0
@@ -58,15 +58,16 @@ def parse_args(argv=None):
 def main(argv=None) -> dict:
     args = parse_args(argv)
     load_start = host_load()
-    setup_torch(args.threads, args.seed)
+    setup_torch(args.threads, args.seed, args.device)
+    dev = args.device
     n = args.history
     cfg, encoder = random_hstu(args, max_seq_len=n + 1)
-    ranker = MFalconRanker(encoder, cfg).eval()
+    ranker = MFalconRanker(encoder, cfg).eval().to(dev)
     gen = torch.Generator().manual_seed(args.seed)
-    hist_items = torch.randint(1, args.items + 1, (1, n), generator=gen)
-    hist_actions = torch.randint(1, 6, (1, n), generator=gen)
-    hist_ts = torch.sort(torch.randint(0, 90 * 86400, (1, n), generator=gen), dim=1).values
-    hist_len = torch.tensor([n])
+    hist_items = torch.randint(1, args.items + 1, (1, n), generator=gen).to(dev)
+    hist_actions = torch.randint(1, 6, (1, n), generator=gen).to(dev)
+    hist_ts = torch.sort(torch.randint(0, 90 * 86400, (1, n), generator=gen), dim=1).values.to(dev)
+    hist_len = torch.tensor([n], device=dev)
     with torch.inference_mode():
         cache = encoder(hist_items, hist_actions, hist_ts, hist_len)
     log(f"ranking: history {n}, d{args.d_model}, {args.layers} layers, {args.heads} heads, threads {args.threads}")
@@ -78,9 +79,9 @@ def main(argv=None) -> dict:
             c = cands[s : s + args.naive_batch]
             b = c.numel()
             items = torch.cat([hist_items.expand(b, n), c[:, None]], dim=1)  # [b, n+1]
-            actions = torch.cat([hist_actions.expand(b, n), torch.full((b, 1), RANK_ACTION)], dim=1)
+            actions = torch.cat([hist_actions.expand(b, n), torch.full((b, 1), RANK_ACTION, device=dev)], dim=1)
             ts = torch.cat([hist_ts.expand(b, n), hist_ts[:, -1:].expand(b, 1)], dim=1)
-            states = encoder(items, actions, ts, torch.full((b,), n + 1)).states[:, n:]  # [b, 1, D]
+            states = encoder(items, actions, ts, torch.full((b,), n + 1, device=dev)).states[:, n:]  # [b, 1, D]
             out.append(ranker.head_logits(states, c[:, None])[:, 0])
         return torch.cat(out)
 
@@ -88,7 +89,7 @@ def main(argv=None) -> dict:
     model_name = f"HSTU(random init, d{args.d_model}, {args.layers} layers, {args.heads} heads)"
     dataset = f"synthetic-history-{n}"
     for m in args.candidates:
-        cands = torch.randint(1, args.items + 1, (m,), generator=gen)
+        cands = torch.randint(1, args.items + 1, (m,), generator=gen).to(dev)
         m_naive = min(m, args.naive_max)
         with torch.inference_mode():  # same scores either way (the M-FALCON mask)
             ref = naive(cands[:m_naive])
@@ -98,7 +99,7 @@ def main(argv=None) -> dict:
         for mb in args.microbatches:
             calls[f"mfalcon_mb{mb}"] = lambda mb=mb, c=cands[None]: ranker.score(cache, c, microbatch_size=mb)
         calls["history_encode"] = lambda: encoder(hist_items, hist_actions, hist_ts, hist_len)
-        times = interleaved(calls, args.reps, args.warmup, max_seconds=args.max_seconds)
+        times = interleaved(calls, args.reps, args.warmup, max_seconds=args.max_seconds, sync=device_sync(dev))
         naive_s = median_s(times["naive"]) * m / m_naive  # whole candidate set (scaled if subset)
         enc_s = median_s(times["history_encode"])
         base = {"dataset": dataset, "model": model_name, "history": n, "candidates": m}
@@ -142,7 +143,7 @@ def main(argv=None) -> dict:
              "cached history (as handed over from retrieval); *_incl_history_encode adds one history forward",
         config=dict(history=n, candidates=args.candidates, microbatches=args.microbatches,
                     naive_batch=args.naive_batch, naive_max=args.naive_max, d_model=args.d_model,
-                    layers=args.layers, heads=args.heads, threads=args.threads, warmup=args.warmup,
+                    layers=args.layers, heads=args.heads, threads=args.threads, device=dev, warmup=args.warmup,
                     reps_requested=args.reps, quick=args.quick),
         goal=dict(speedup_at_1024_candidates=GOAL_SPEEDUP_AT_1024),
     )

@@ -32,6 +32,7 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reps", type=int, default=None, help="timed repetitions per variant (default per benchmark)")
     p.add_argument("--warmup", type=int, default=None, help="untimed runs per variant first")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", help="torch device for models and inputs (cpu, cuda)")
 
 
 def fill_defaults(args: argparse.Namespace, defaults: dict) -> None:
@@ -51,9 +52,20 @@ def save_result(path: Path, rows: list[dict], module: str, argv, load_start, **e
     return blob
 
 
-def setup_torch(threads: int, seed: int = 0) -> None:
+def setup_torch(threads: int, seed: int = 0, device: str = "cpu") -> None:
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
+    if torch.device(device).type == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit(f"--device {device}: no CUDA GPU is visible to torch")
+        torch.backends.cuda.matmul.allow_tf32 = False  # fp32 numbers stay fp32 on every device
+
+
+def device_sync(device: str) -> Callable[[], None] | None:
+    """What to call around a timed region so that it covers the device's work too (kernels are
+    launched asynchronously on a GPU); None on the CPU."""
+    dev = torch.device(device)
+    return (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else None
 
 
 def random_hstu(args: argparse.Namespace, max_seq_len: int):
@@ -74,6 +86,7 @@ def interleaved(
     warmup: int = 1,
     max_seconds: float | None = None,
     min_reps: int = 3,
+    sync: Callable[[], None] | None = None,
 ) -> dict[str, list[float]]:
     """Time every variant `reps` times, round-robin, after `warmup` untimed rounds.
 
@@ -82,7 +95,9 @@ def interleaved(
     below min_reps) once the next round would exceed that budget. Returns seconds per run.
     The garbage collector is off while timing (as in timeit): a collector pause does not land
     inside one variant, and no variant starts on the caches a full collection just swept.
+    sync (see device_sync) waits for a device's queued work before and after each timed call.
     """
+    sync = sync or (lambda: None)
     names = list(variants)
     with torch.inference_mode():
         for _ in range(warmup):
@@ -100,8 +115,10 @@ def interleaved(
                         break
                 order = names[i % len(names):] + names[: i % len(names)]
                 for name in order:
+                    sync()
                     t0 = time.perf_counter()
                     variants[name]()
+                    sync()
                     times[name].append(time.perf_counter() - t0)
         finally:
             gc.enable()

@@ -94,8 +94,22 @@ def device_info(torch, args) -> dict:
     # dense FLOPs per SM per clock: Hopper tensor cores 4096 (fp16/bf16), 2048 (tf32); FP32 FMA 256
     per_sm = {"tensor_fp16": 4096, "tf32": 2048, "fp32": 256} if props.major >= 9 else \
         {"tensor_fp16": 2048, "tf32": 1024, "fp32": 256}
+    # the achievable ceiling: a 1 GiB device-to-device copy, bytes read + written (median of 20)
+    src = torch.randint(0, 256, (2**30,), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    copy_ms = []
+    for _ in range(21):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        dst.copy_(src)
+        e.record()
+        torch.cuda.synchronize()
+        copy_ms.append(s.elapsed_time(e))
+    copy_bw = 2 * src.numel() / (statistics.median(copy_ms[1:]) * 1e-3)
+    del src, dst
     return {
         "name": props.name, "capability": f"{props.major}.{props.minor}", "sms": sms,
+        "copy_bw_measured": copy_bw,
         "total_memory_gib": round(props.total_memory / 2**30, 1),
         "l2_mib": round(getattr(props, "L2_cache_size", 0) / 2**20, 1),
         "clock_hz": clock_hz, "clock_reported": bool(clock),
@@ -349,7 +363,8 @@ def markdown(report: dict) -> str:
     lines = [
         "# Triton kernels vs torch reference on the GPU", "",
         f"- device: {info['name']}; peak memory bandwidth {info['peak_bw'] / 1e12:.2f} TB/s "
-        f"({info.get('peak_bw_source', '-')}); peak dense fp16 tensor "
+        f"({info.get('peak_bw_source', '-')}); a device-to-device copy moved "
+        f"{_f(info.get('copy_bw_measured', 0) / 1e12, '.2f')} TB/s (read + write); peak dense fp16 tensor "
         f"{_f((info['peak_flops']['tensor_fp16'] or 0) / 1e12, '.0f')} TFLOP/s, fp32 "
         f"{_f((info['peak_flops']['fp32'] or 0) / 1e12, '.0f')} TFLOP/s (from SM count x clock; approximate)",
         f"- torch {report['versions']['torch']}, triton {report['versions']['triton']}, "
@@ -357,6 +372,10 @@ def markdown(report: dict) -> str:
         f"PFA k={report['args']['k']} r={report['args']['r']}; times are medians (ms), L2 flushed",
         f"- all correctness checks passed: **{report['all_ok']}**", "",
     ]
+    failed = [r for r in report["decode"] + report["hstu"] if "error" in r]
+    lines += [f"- FAILED {r['config']['raw']}: {r['error'][:300]}" for r in failed] + ([""] if failed else [])
+    report = {**report, "decode": [r for r in report["decode"] if "error" not in r],
+              "hstu": [r for r in report["hstu"] if "error" not in r]}
     if report["decode"]:
         lines += ["## Whole decode (4 steps, attention only)", "",
                   "| users | heads | d | N | budgets | impl | full ms | PFA ms | dyn top-k ms | full/PFA | dyn/PFA |",
@@ -434,29 +453,42 @@ def main(argv=None) -> int:
         "decode": [], "hstu": [],
     }
     t0 = time.time()
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    def save():  # after every configuration: a run cut short still leaves what it measured
+        entries = report["decode"] + report["hstu"]
+        report["all_ok"] = bool(entries) and all(r["checks"]["ok"] for r in entries)
+        report["seconds"] = time.time() - t0
+        (args.out / "gpu_kernels.json").write_text(json.dumps(report, indent=1))
+        (args.out / "gpu_kernels.md").write_text(markdown(report))
+
+    def run(kind, bench, cfg):
+        try:
+            r = bench(torch, R, K, timer, args, cfg, dtype, dev, info)
+        except Exception as exc:  # one configuration failing (compile error, memory) must not end the run
+            r = {"config": {"raw": list(cfg)}, "checks": {"ok": False}, "error": f"{type(exc).__name__}: {exc}"}
+            print(f"{kind} {cfg}: FAILED {r['error'][:2000]}", flush=True)
+        report[kind].append(r)
+        if dev == "cuda":
+            torch.cuda.empty_cache()
+        save()
+        return r
+
     with torch.no_grad():
         if not args.skip_decode:
             for cfg in PRESETS[preset]:
-                r = bench_decode(torch, R, K, timer, args, cfg, dtype, dev, info)
-                report["decode"].append(r)
-                d = r["decode"].get("triton", {})
-                print(f"decode {cfg}: ok={r['checks']['ok']} full/pfa={d.get('full_over_pfa', 0):.2f} "
-                      f"dyn/pfa={d.get('dynamic_topk_over_pfa', 0):.2f} ({time.time() - t0:.0f}s)", flush=True)
-                if dev == "cuda":
-                    torch.cuda.empty_cache()
+                r = run("decode", bench_decode, cfg)
+                if "error" not in r:
+                    d = r["decode"].get("triton", {})
+                    print(f"decode {cfg}: ok={r['checks']['ok']} full/pfa={d.get('full_over_pfa', 0):.2f} "
+                          f"dyn/pfa={d.get('dynamic_topk_over_pfa', 0):.2f} ({time.time() - t0:.0f}s)", flush=True)
         if not args.skip_hstu:
             for cfg in HSTU_PRESETS[preset]:
-                r = bench_hstu(torch, R, K, timer, args, cfg, dtype, dev, info)
-                report["hstu"].append(r)
-                print(f"hstu {cfg}: ok={r['checks']['ok']} triton {r['timing']['triton_ms']:.3f} ms "
-                      f"torch {_f(r['timing']['torch_ms'])} ms ({time.time() - t0:.0f}s)", flush=True)
-                if dev == "cuda":
-                    torch.cuda.empty_cache()
-    report["all_ok"] = all(r["checks"]["ok"] for r in report["decode"] + report["hstu"])
-    report["seconds"] = time.time() - t0
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "gpu_kernels.json").write_text(json.dumps(report, indent=1))
-    (args.out / "gpu_kernels.md").write_text(markdown(report))
+                r = run("hstu", bench_hstu, cfg)
+                if "error" not in r:
+                    print(f"hstu {cfg}: ok={r['checks']['ok']} triton {r['timing']['triton_ms']:.3f} ms "
+                          f"torch {_f(r['timing']['torch_ms'])} ms ({time.time() - t0:.0f}s)", flush=True)
+    save()
     print(f"wrote {args.out / 'gpu_kernels.json'} and {args.out / 'gpu_kernels.md'}; all checks ok: {report['all_ok']}")
     return 0 if report["all_ok"] else 1
 

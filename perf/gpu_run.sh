@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Every GPU measurement in one command, for a GPU host with torch and triton and no network:
+#   bash perf/gpu_run.sh [OUT_DIR]        (default perf/results/gpu; PRESET=quick for a short run)
+# 1. perf/gpu_kernels.py: each Triton kernel checked against the torch reference, then timed
+#    (bandwidth against the device peak and a measured copy) and the attention-only decode ratios;
+# 2. the whole semantic-ID decode (perf.bench_decode) on the GPU, ops on the Triton kernels, then
+#    the same decode with the ops forced to the torch reference;
+# 3. M-FALCON ranking (perf.bench_ranking) and history caching (perf.bench_caching) on the GPU.
+# Each step has its own time limit and writes its results as it goes, so one failing or slow step
+# leaves the others' results. Everything printed also goes to OUT_DIR/run.log.
+set -u
+out=${1:-perf/results/gpu}
+mkdir -p "$out/torch_ops"
+export PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+exec > >(tee "$out/run.log") 2>&1
+
+step() {  # step SECONDS NAME COMMAND...: run with a time limit, report how it ended
+    local limit=$1 name=$2 t0=$SECONDS rc
+    shift 2
+    echo "=== $name (limit ${limit}s)"
+    timeout --kill-after=10 "$limit" "$@"
+    rc=$?
+    echo "=== $name: exit $rc after $((SECONDS - t0))s"
+}
+
+date -u
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem,temperature.gpu,power.draw \
+    --format=csv || true
+$PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(0))"
+
+step "${KERNELS_LIMIT:-240}" kernels $PY perf/gpu_kernels.py --preset "${PRESET:-default}" --out "$out"
+step 100 decode-triton-ops $PY -m perf.bench_decode --device cuda --users 512 512 128 --reps 9 --max-seconds 15 \
+    --out "$out"
+step 80 decode-torch-ops env GENREC_OPS_BACKEND=torch $PY -m perf.bench_decode --device cuda --users 512 512 128 \
+    --variants full pfa dynamic_topk --reps 7 --max-seconds 12 --out "$out/torch_ops"
+step 60 ranking $PY -m perf.bench_ranking --device cuda --reps 9 --max-seconds 10 --out "$out"
+step 45 caching $PY -m perf.bench_caching --device cuda --thread-counts 1 --users 1 16 256 --max-seconds 8 \
+    --out "$out"
+nvidia-smi --query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv || true
+date -u
