@@ -26,7 +26,7 @@ from backend_src.decoding.beam_search import generate
 from backend_src.model.decoder import SemanticIdDecoder
 from backend_src.model.semantic_ids import SemanticIdCodebook
 from perf.common import (
-    add_common_args, device_sync, fill_defaults, host_load, interleaved, log, median_s, ratio, save_result, setup_torch, summary_ms,
+    add_common_args, cuda_graphed, device_sync, fill_defaults, host_load, interleaved, log, median_s, ratio, save_result, setup_torch, summary_ms,
 )
 
 # Seed 000, industrial data, history 512, beam 100, 512 users a batch on L20 GPUs (anchors.md)
@@ -159,6 +159,9 @@ def parse_args(argv=None):
     p.add_argument("--variants", nargs="+", default=None, choices=list(VARIANTS), help="subset of variants")
     p.add_argument("--max-seconds", type=float, default=None,
                    help="time budget per history length for the timed repetitions (default 90)")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="on a GPU, time replays of each decode captured into a CUDA graph (the device's work "
+                        "without per-op launch cost) instead of eager calls")
     p.add_argument("--profile", action="store_true",
                    help="also record the slowest ops of full vs pfa per history length (torch profiler)")
     args = p.parse_args(argv)
@@ -168,6 +171,8 @@ def parse_args(argv=None):
     else:
         d = dict(histories=[128, 512, 2048], users=[32, 32, 8], items=16384, reps=7, warmup=1, max_seconds=90.0)
     fill_defaults(args, d)
+    if args.cuda_graphs and not args.device.startswith("cuda"):
+        p.error("--cuda-graphs needs --device cuda")
     if len(args.users) == 1:
         args.users = args.users * len(args.histories)
     if len(args.users) != len(args.histories):
@@ -183,6 +188,21 @@ def profile_ops(fn, top: int = 12) -> list[dict]:
         fn()
     rows = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
     return [{"op": e.key, "self_ms": e.self_cpu_time_total / 1e3, "calls": e.count} for e in rows]
+
+
+def graph_all(calls: dict) -> dict:
+    """Each call replaced by the replay of its CUDA graph; a variant that cannot be captured is
+    reported and dropped (its eager time would not compare with replays)."""
+    out = {}
+    for name, fn in calls.items():
+        try:
+            out[name] = cuda_graphed(fn)
+        except Exception as exc:  # e.g. an op that reads a value back to the host
+            if name not in VARIANTS or name == "full":  # the reference points of every ratio
+                raise
+            log(f"    {name}: not captured into a CUDA graph ({type(exc).__name__}: {str(exc)[:200]})")
+            torch.cuda.synchronize()
+    return out
 
 
 def main(argv=None) -> dict:
@@ -219,6 +239,8 @@ def main(argv=None) -> dict:
         k1, v1 = decoders[False].project_step(states, 1)
         q1 = torch.randn(users, args.beam, args.heads, head_dim, generator=gen).to(dev)
         calls["attention_step"] = lambda: ops.decode_attention(q1, k1, v1, lengths)
+        if args.cuda_graphs:
+            calls = graph_all(calls)
         times = interleaved(calls, args.reps, args.warmup, max_seconds=args.max_seconds, sync=device_sync(dev))
         full_s = median_s(times["full"])
         attn_share = min(1.0, 3 * median_s(times["attention_step"]) / full_s)
@@ -227,7 +249,7 @@ def main(argv=None) -> dict:
         log(f"  history {n}, {users} users: full {full_s * 1e3:.1f} ms/batch "
             f"(K/V projection {proj_s[False] * 1e3:.1f} ms, attention {attn_share:.0%} of it), "
             f"reps {len(times['full'])}")
-        for name in names:
+        for name in (n for n in names if n in times):
             fields, shared = VARIANTS[name]
             opts = DecodeOptions(beam_width=args.beam, **fields)
             cost = attention_macs(opts.mode, n, args.beam, args.heads, head_dim, opts.k, opts.r, opts.selection_step)
@@ -279,6 +301,7 @@ def main(argv=None) -> dict:
         config=dict(items=args.items, codebook_sizes=list(sizes), beam=args.beam, d_model=args.d_model,
                     heads=args.heads, histories=args.histories, users=args.users, threads=args.threads,
                     device=dev, ops_backend=ops.backend_for(torch.empty(0, device=dev)),
+                    cuda_graphs=args.cuda_graphs,
                     warmup=args.warmup, reps_requested=args.reps, quick=args.quick),
         paper=dict(measured_speedup_pfa_vs_full=PAPER_MEASURED_SPEEDUP,
                    theoretical_mac_ratio_pfa_vs_full=PAPER_THEORETICAL_MAC_RATIO,

@@ -4,13 +4,14 @@
 # 1. perf/gpu_kernels.py: each Triton kernel checked against the torch reference, then timed
 #    (bandwidth against the device peak and a measured copy) and the attention-only decode ratios;
 # 2. the whole semantic-ID decode (perf.bench_decode) on the GPU, ops on the Triton kernels, then
-#    the same decode with the ops forced to the torch reference;
+#    with the ops forced to the torch reference; each timed eager (Python launching every op, as
+#    served) and as CUDA-graph replays (the GPU's own work);
 # 3. M-FALCON ranking (perf.bench_ranking) and history caching (perf.bench_caching) on the GPU.
 # Each step has its own time limit and writes its results as it goes, so one failing or slow step
 # leaves the others' results. Everything printed also goes to OUT_DIR/run.log.
 set -u
 out=${1:-perf/results/gpu}
-mkdir -p "$out/torch_ops"
+mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 exec > >(tee "$out/run.log") 2>&1
@@ -30,10 +31,13 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem,tem
 $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(0))"
 
 step "${KERNELS_LIMIT:-240}" kernels $PY perf/gpu_kernels.py --preset "${PRESET:-default}" --out "$out"
-step 100 decode-triton-ops $PY -m perf.bench_decode --device cuda --users 512 512 128 --reps 9 --max-seconds 15 \
-    --out "$out"
-step 80 decode-torch-ops env GENREC_OPS_BACKEND=torch $PY -m perf.bench_decode --device cuda --users 512 512 128 \
-    --variants full pfa dynamic_topk --reps 7 --max-seconds 12 --out "$out/torch_ops"
+decode=(-m perf.bench_decode --device cuda --users 512 512 128 --max-seconds 15)
+step 100 decode-triton-ops $PY "${decode[@]}" --reps 9 --out "$out"
+step 100 decode-triton-ops-graphs $PY "${decode[@]}" --cuda-graphs --reps 15 --out "$out/graphs"
+step 60 decode-torch-ops env GENREC_OPS_BACKEND=torch $PY "${decode[@]}" --variants full pfa dynamic_topk \
+    --reps 7 --out "$out/torch_ops"
+step 60 decode-torch-ops-graphs env GENREC_OPS_BACKEND=torch $PY "${decode[@]}" --variants full pfa dynamic_topk \
+    --cuda-graphs --reps 15 --out "$out/torch_ops_graphs"
 step 60 ranking $PY -m perf.bench_ranking --device cuda --reps 9 --max-seconds 10 --out "$out"
 step 45 caching $PY -m perf.bench_caching --device cuda --thread-counts 1 --users 1 16 256 --max-seconds 8 \
     --out "$out"

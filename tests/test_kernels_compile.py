@@ -51,7 +51,8 @@ K = _load_compilable_kernels() if IN_PROCESS else None
 # pointer arguments that hold integer indices / lengths / positions / timestamps
 INT_PTRS = {"len_ptr", "idx_ptr", "qpos_ptr", "kpos_ptr", "qts_ptr", "kts_ptr", "nh_ptr", "qself_ptr", "thr_ptr"}
 FLOAT_SCALARS = {"qk_scale", "inv_heads", "scale", "inv_norm", "inv_log2_base"}
-FP32_PTRS = {"_head_mean_probs_kernel": {"out_ptr"}, "_hstu_attention_kernel": {"pb_ptr", "tb_ptr"}}
+FP32_PTRS = {"_head_mean_probs_kernel": {"out_ptr"}, "_hstu_attention_kernel": {"pb_ptr", "tb_ptr"},
+             "_decode_attention_kernel": {"sel_ptr", "tau_ptr"}}
 
 
 def _signature(fn, dtype: str) -> dict:
@@ -81,19 +82,20 @@ def _precision(dtype: str) -> str:
 # (kernel name, case id, constexprs as a function of the dtype)
 CASES = [
     ("_decode_attention_kernel", "prefix_d64",
-     lambda dt: dict(HAS_IDX=False, BLOCK_W=64, BLOCK_N=64, BLOCK_D=64, BLOCK_DV=64, DOT_PRECISION=_precision(dt))),
+     lambda dt: dict(HAS_IDX=False, HAS_THRESH=False, BLOCK_W=64, BLOCK_N=64, BLOCK_D=64, BLOCK_DV=64,
+                     DOT_PRECISION=_precision(dt))),
     ("_decode_attention_kernel", "indexed_d16",
-     lambda dt: dict(HAS_IDX=True, BLOCK_W=16, BLOCK_N=16, BLOCK_D=16, BLOCK_DV=32, DOT_PRECISION=_precision(dt))),
+     lambda dt: dict(HAS_IDX=True, HAS_THRESH=False, BLOCK_W=16, BLOCK_N=16, BLOCK_D=16, BLOCK_DV=32,
+                     DOT_PRECISION=_precision(dt))),
+    ("_decode_attention_kernel", "per_beam_rows_d64",
+     lambda dt: dict(HAS_IDX=False, HAS_THRESH=True, BLOCK_W=64, BLOCK_N=64, BLOCK_D=64, BLOCK_DV=64,
+                     DOT_PRECISION=_precision(dt))),
     ("_attention_probs_kernel", "d32",
      lambda dt: dict(BLOCK_W=64, BLOCK_N=64, BLOCK_D=32, DOT_PRECISION=_precision(dt))),
     ("_head_mean_probs_kernel", "pooled",
      lambda dt: dict(POOL_BEAMS=True, BLOCK_W=64, BLOCK_N=64, BLOCK_D=64, DOT_PRECISION=_precision(dt))),
     ("_head_mean_probs_kernel", "per_beam",
      lambda dt: dict(POOL_BEAMS=False, BLOCK_W=16, BLOCK_N=32, BLOCK_D=16, DOT_PRECISION=_precision(dt))),
-    ("_beam_rows_attention_kernel", "h4_d64",
-     lambda dt: dict(BLOCK_H=4, BLOCK_N=32, BLOCK_D=64, BLOCK_DV=64)),
-    ("_beam_rows_attention_kernel", "h1_d16",
-     lambda dt: dict(BLOCK_H=1, BLOCK_N=16, BLOCK_D=16, BLOCK_DV=16)),
     ("_gather_rows_kernel", "rows", lambda dt: dict(BLOCK_J=8, BLOCK_F=512)),
     ("_hstu_attention_kernel", "d32",
      lambda dt: dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=32, BLOCK_DV=32, DOT_PRECISION=_precision(dt))),

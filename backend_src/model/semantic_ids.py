@@ -340,7 +340,9 @@ class SemanticIdCodebook(nn.Module):
 
     @property
     def codebook_sizes(self) -> tuple:
-        return tuple(int(s) for s in self.sizes)
+        # read off the table shapes, not the `sizes` buffer: no device-to-host copy on a GPU
+        # (which would also stop a decode from being captured into a CUDA graph)
+        return tuple(self.child(t).shape[1] for t in range(NUM_LEVELS))
 
     def child(self, level: int) -> torch.Tensor:
         return getattr(self, f"child_{level}")

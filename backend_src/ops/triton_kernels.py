@@ -83,21 +83,25 @@ def _softmax_stats(q, k_base, sk_n, sk_d, offs_d, d_mask, L, qk_scale,
 # --------------------------------------------------------------------------------------------
 @triton.jit
 def _decode_attention_kernel(
-    q_ptr, k_ptr, v_ptr, len_ptr, idx_ptr, o_ptr,
+    q_ptr, k_ptr, v_ptr, len_ptr, idx_ptr, sel_ptr, tau_ptr, o_ptr,
     W, H, N, D, DV,
     sq_b, sq_w, sq_h, sq_d,
     sk_b, sk_n, sk_h, sk_d,
     sv_b, sv_n, sv_h, sv_d,
     si_b, si_j,
+    ss_b, ss_w, ss_n,
+    st_b, st_w,
     so_b, so_w, so_h, so_d,
     qk_scale,
-    HAS_IDX: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_IDX: tl.constexpr, HAS_THRESH: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """out[b, w, h] = softmax over rows j < lengths[b] of q.k_j, times v_j.
 
     HAS_IDX: row j of the block is idx[b, j] (PFA's kept rows of the selection step);
-    otherwise row j itself (the contiguous prefix of later steps)."""
+    otherwise row j itself (the contiguous prefix of later steps).
+    HAS_THRESH: beam w only keeps the rows whose score sel[b, w, j] reaches its threshold
+    tau[b, w] (dynamic top-k: every beam its own rows, read densely from one K/V block)."""
     pid_bh = tl.program_id(0).to(tl.int64)
     pid_w = tl.program_id(1)
     b = pid_bh // H
@@ -116,6 +120,8 @@ def _decode_attention_kernel(
     k_base = k_ptr + b * sk_b + h * sk_h
     v_base = v_ptr + b * sv_b + h * sv_h
 
+    if HAS_THRESH:
+        tau = tl.load(tau_ptr + b * st_b + offs_w * st_w, mask=w_mask, other=float("inf"))
     m = tl.full([BLOCK_W], _NEG_BIG, tl.float32)
     l = tl.zeros([BLOCK_W], tl.float32)
     acc = tl.zeros([BLOCK_W, BLOCK_DV], tl.float32)
@@ -130,7 +136,12 @@ def _decode_attention_kernel(
         k = tl.load(k_base + rows[:, None] * sk_n + offs_d[None, :] * sk_d,
                     mask=n_mask[:, None] & d_mask[None, :], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BW, BN] base-2 logits
-        s = tl.where(n_mask[None, :], s, float("-inf"))
+        keep = n_mask[None, :]
+        if HAS_THRESH:
+            sel = tl.load(sel_ptr + b * ss_b + offs_w[:, None] * ss_w + n[None, :] * ss_n,
+                          mask=w_mask[:, None] & n_mask[None, :], other=float("-inf"))
+            keep = keep & (sel >= tau[:, None])
+        s = tl.where(keep, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(s - m_new[:, None])
@@ -145,7 +156,9 @@ def _decode_attention_kernel(
              out.to(o_ptr.dtype.element_ty), mask=w_mask[:, None] & dv_mask[None, :])
 
 
-def _launch_decode(q, k, v, lengths, idx=None):
+def _launch_decode(q, k, v, lengths, idx=None, sel=None, tau=None):
+    """idx [B, rows]: attend over these rows of k/v; sel [B, W, N] and tau [B, W]: beam w keeps
+    the rows with sel >= tau (see the kernel)."""
     B, W, H, D = q.shape
     N = k.shape[1]
     DV = v.shape[-1]
@@ -153,15 +166,17 @@ def _launch_decode(q, k, v, lengths, idx=None):
     rows = idx.shape[1] if idx is not None else N
     BLOCK_W = _pow2(W, 16, 64)
     BLOCK_N = _block_keys(rows)
-    idx_arg = idx if idx is not None else lengths  # unused pointer when HAS_IDX is False
-    si = idx.stride() if idx is not None else (0, 0)
+    # pointers a mode does not use get any tensor and zero strides
+    idx_arg, si = (idx, idx.stride()) if idx is not None else (lengths, (0, 0))
+    sel_arg, ss = (sel, sel.stride()) if sel is not None else (lengths, (0, 0, 0))
+    tau_arg, st = (tau, tau.stride()) if tau is not None else (lengths, (0, 0))
     grid = (B * H, triton.cdiv(W, BLOCK_W))
     _decode_attention_kernel[grid](
-        q, k, v, lengths, idx_arg, out,
+        q, k, v, lengths, idx_arg, sel_arg, tau_arg, out,
         W, H, N, D, DV,
-        *q.stride(), *k.stride(), *v.stride(), *si, *out.stride(),
+        *q.stride(), *k.stride(), *v.stride(), *si, *ss, *st, *out.stride(),
         (D ** -0.5) * _LOG2E,
-        HAS_IDX=idx is not None, BLOCK_W=BLOCK_W, BLOCK_N=BLOCK_N,
+        HAS_IDX=idx is not None, HAS_THRESH=sel is not None, BLOCK_W=BLOCK_W, BLOCK_N=BLOCK_N,
         BLOCK_D=_pow2(D), BLOCK_DV=_pow2(DV), DOT_PRECISION=_dot_precision(q),
         num_warps=4,
     )
@@ -260,8 +275,9 @@ def _head_mean_probs_kernel(
     BLOCK_W: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Adds mean_h a[b, w, h, n] of this (user, head, beam block) into out (fp32, zero-initialized):
-    POOL_BEAMS: out[b, n] += sum_w w[b, w] * a / H   (PFA importance s_n)
-    otherwise:  out[b, w, n] += a / H                 (each beam's own ranking)"""
+    POOL_BEAMS: out[b, n] += sum_w w[b, w] * a / H   (PFA importance s_n; rows n >= lengths[b]
+                get -inf, so that a top-k never picks them)
+    otherwise:  out[b, w, n] += a / H                 (each beam's own ranking; 0 past the length)"""
     pid_bh = tl.program_id(0).to(tl.int64)
     pid_w = tl.program_id(1)
     b = pid_bh // H
@@ -295,10 +311,17 @@ def _head_mean_probs_kernel(
         else:
             tl.atomic_add(out_ptr + b * so_b + offs_w[:, None] * so_w + n[None, :] * so_n, p,
                           mask=w_mask[:, None] & n_mask[None, :])
+    if POOL_BEAMS and (pid_w == 0) and (h == 0):
+        # rows past the length: no program adds to them, so one plain store is race-free
+        for start in range(L // BLOCK_N * BLOCK_N, N, BLOCK_N):
+            n = start + offs_n
+            tl.store(out_ptr + b * so_b + n * so_n, tl.full([BLOCK_N], float("-inf"), tl.float32),
+                     mask=(n >= L) & (n < N))
 
 
 def _head_mean_probs(q, k, lengths, beam_weights=None):
-    """[B, N] PFA scores (beam_weights given) or [B, W, N] per-beam head-mean probs, fp32."""
+    """[B, N] PFA scores (beam_weights given; -inf past the length) or [B, W, N] per-beam
+    head-mean probs (0 past the length), fp32."""
     B, W, H, D = q.shape
     N = k.shape[1]
     pool = beam_weights is not None
@@ -332,8 +355,7 @@ def pfa_select(
     if _use_reference(q, k, v, beam_weights):
         return reference.pfa_select(q, k, v, lengths, beam_weights, keep)
     N = k.shape[1]
-    scores = _head_mean_probs(q, k, lengths, beam_weights)  # [B, N] fp32
-    scores = scores.masked_fill(~reference._row_mask(lengths, N), float("-inf"))
+    scores = _head_mean_probs(q, k, lengths, beam_weights)  # [B, N] fp32, -inf past the length
     keep = min(keep, N)
     order = torch.topk(scores, keep, dim=1, sorted=True).indices  # [B, keep]
     kept_lengths = torch.clamp(lengths, max=keep)
@@ -343,90 +365,27 @@ def pfa_select(
 
 
 # --------------------------------------------------------------------------------------------
-# dynamic top-k baseline: every beam over its own scattered rows
+# dynamic top-k baseline: every beam over its own rows
 # --------------------------------------------------------------------------------------------
-@triton.jit
-def _beam_rows_attention_kernel(
-    q_ptr, k_ptr, v_ptr, len_ptr, idx_ptr, o_ptr,
-    W, H, N, D, DV, KEEP,
-    sq_b, sq_w, sq_h, sq_d,
-    sk_b, sk_n, sk_h, sk_d,
-    sv_b, sv_n, sv_h, sv_d,
-    si_b, si_w, si_j,
-    so_b, so_w, so_h, so_d,
-    qk_scale,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-):
-    """One program per (user, beam), all heads: softmax over the beam's rows idx[b, w, :KEEP]
-    that lie below lengths[b], times their values (rows are gathered by index)."""
-    pid = tl.program_id(0).to(tl.int64)
-    b = pid // W
-    w = pid % W
-    offs_h = tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    offs_j = tl.arange(0, BLOCK_N)
-    h_mask = offs_h < H
-    hd_mask = h_mask[:, None] & (offs_d < D)[None, :]
-    hdv_mask = h_mask[:, None] & (offs_dv < DV)[None, :]
-    q = tl.load(q_ptr + b * sq_b + w * sq_w + offs_h[:, None] * sq_h + offs_d[None, :] * sq_d,
-                mask=hd_mask, other=0.0).to(tl.float32)  # [BH, BD]
-    L = tl.minimum(tl.load(len_ptr + b), N)
-
-    m = tl.full([BLOCK_H], _NEG_BIG, tl.float32)
-    l = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
-    for start in range(0, KEEP, BLOCK_N):
-        j = start + offs_j
-        rows = tl.load(idx_ptr + b * si_b + w * si_w + j * si_j, mask=j < KEEP, other=0)
-        valid = (j < KEEP) & (rows >= 0) & (rows < L)
-        k = tl.load(k_ptr + b * sk_b + rows[:, None, None] * sk_n + offs_h[None, :, None] * sk_h
-                    + offs_d[None, None, :] * sk_d, mask=valid[:, None, None] & hd_mask[None, :, :],
-                    other=0.0)  # [BN, BH, BD]
-        s = tl.sum(k.to(tl.float32) * q[None, :, :], axis=2) * qk_scale  # [BN, BH]
-        s = tl.where(valid[:, None], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=0))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[None, :])
-        l = l * alpha + tl.sum(p, axis=0)
-        v = tl.load(v_ptr + b * sv_b + rows[:, None, None] * sv_n + offs_h[None, :, None] * sv_h
-                    + offs_dv[None, None, :] * sv_d, mask=valid[:, None, None] & hdv_mask[None, :, :],
-                    other=0.0)  # [BN, BH, BDV]
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32), axis=0)
-        m = m_new
-    l = tl.where(l > 0.0, l, 1.0)
-    out = acc / l[:, None]
-    tl.store(o_ptr + b * so_b + w * so_w + offs_h[:, None] * so_h + offs_dv[None, :] * so_d,
-             out.to(o_ptr.dtype.element_ty), mask=hdv_mask)
-
-
 def dynamic_topk_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, keep: int, return_indices: bool = False
 ):
     """Baseline: every beam ranks the history by its own head-averaged weights and attends
-    (renormalized) over its own top `keep` rows. q [B,W,H,d], k/v [B,N,H,d] -> [B,W,H,d]."""
+    (renormalized) over its own top `keep` rows. q [B,W,H,d], k/v [B,N,H,d] -> [B,W,H,d].
+
+    A beam's kept rows are those whose head-mean weight reaches its keep-th largest: the
+    attention then reads the user's K/V block once, densely (tensor-core products), with each
+    beam's rows masked by that threshold, instead of gathering W*keep rows per user. (A row tied
+    with the threshold is kept too; with real-valued weights ties are vanishingly rare.)"""
     if _use_reference(q, k, v):
         return reference.dynamic_topk_attention(q, k, v, lengths, keep, return_indices)
-    B, W, H, D = q.shape
     N = k.shape[1]
-    DV = v.shape[-1]
     mean_probs = _head_mean_probs(q, k, lengths)  # [B, W, N] fp32, 0 beyond lengths
     keep = min(keep, N)
-    idx = torch.topk(mean_probs, keep, dim=-1).indices  # [B, W, keep]
-    out = torch.empty((B, W, H, DV), device=q.device, dtype=q.dtype)
-    BLOCK_H, BLOCK_D, BLOCK_DV = _pow2(H, 1), _pow2(D), _pow2(DV)
-    row = BLOCK_H * max(BLOCK_D, BLOCK_DV)  # elements of one gathered row, all heads
-    # about 4096 elements per [rows, heads, dim] tile keeps the gathered tiles in registers
-    BLOCK_N = min(_pow2(keep, 16), max(16, 4096 // row))
-    _beam_rows_attention_kernel[(B * W,)](
-        q, k, v, lengths, idx, out,
-        W, H, N, D, DV, keep,
-        *q.stride(), *k.stride(), *v.stride(), *idx.stride(), *out.stride(),
-        (D ** -0.5) * _LOG2E,
-        BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV,
-        num_warps=4 if row >= 256 else 2,
-    )
-    return (out, idx) if return_indices else out
+    top = torch.topk(mean_probs, keep, dim=-1, sorted=return_indices)  # order only when read
+    tau = top.values.amin(-1)  # [B, W]; 0 when the user has no more than `keep` rows
+    out = _launch_decode(q, k, v, lengths, sel=mean_probs, tau=tau)
+    return (out, top.indices) if return_indices else out
 
 
 # --------------------------------------------------------------------------------------------
