@@ -262,12 +262,12 @@ def bench_decode(torch, R, K, timer, args, cfg, dtype, dev, info) -> dict:
         }
 
     # ---- where the selection ops spend their time: scores kernel, then torch.topk
-    pfa_scores = K._head_mean_probs(q, k, lengths, w)
-    beam_scores = K._head_mean_probs(q, k, lengths)
+    pfa_scores = K._pfa_scores(q, k, lengths, w)
+    beam_scores = K._beam_head_mean(q, k, lengths)
     parts = {
-        "pfa_scores": lambda: K._head_mean_probs(q, k, lengths, w),
+        "pfa_scores": lambda: K._pfa_scores(q, k, lengths, w),
         "pfa_topk": lambda: torch.topk(pfa_scores, keep, dim=1),
-        "beam_scores": lambda: K._head_mean_probs(q, k, lengths),
+        "beam_scores": lambda: K._beam_head_mean(q, k, lengths),
         "beam_topk": lambda: torch.topk(beam_scores, keep, dim=-1),
     }
     res["parts_ms"] = {name: timer(fn) for name, fn in parts.items()}

@@ -178,6 +178,51 @@ def caching_section(blob: dict, out_dir: Path) -> list[str]:
     return lines
 
 
+# the whole-decode runs of perf/gpu_run.sh: (subdirectory, ops backend, timing)
+GPU_DECODE_RUNS = [("graphs", "Triton kernels", "CUDA-graph replay"), (".", "Triton kernels", "eager"),
+                   ("torch_ops_graphs", "torch reference", "CUDA-graph replay"), ("torch_ops", "torch reference", "eager")]
+
+
+def gpu_section(gpu_dir: Path) -> list[str]:
+    """Whole-decode latency on a GPU in the four setups of perf/gpu_run.sh, side by side, plus
+    ranking and caching there; the kernel tables are in gpu/gpu_kernels.md."""
+    runs = [(sub, ops, timing, json.loads((gpu_dir / sub / "decode_latency.json").read_text()))
+            for sub, ops, timing in GPU_DECODE_RUNS if (gpu_dir / sub / "decode_latency.json").exists()]
+    if not runs:
+        return []
+    first = runs[0][3]
+    lines = ["## On a GPU (`bash perf/gpu_run.sh`)", "",
+             f"{first['machine'].get('gpu')}, torch {first['machine'].get('torch')}, date {first.get('date')}; "
+             f"commit {first.get('commit')}. Whole semantic-ID decode, beam {first['config']['beam']}, "
+             f"{first['config']['items']} items, d_model {first['config']['d_model']}, "
+             f"{first['config']['heads']} heads; ms per batch (median). Eager: Python launches every op (as "
+             "served); CUDA-graph replay: the GPU's own work without per-op launch cost. Kernel-level tables: "
+             "`gpu/gpu_kernels.md`.", "",
+             "| ops | timing | history | users | full ms | PFA ms | PFA speedup | PFA sel0 speedup | "
+             "dyn top-k ms | dyn top-k / PFA | Amdahl bound for PFA |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for _, ops, timing, blob in runs:
+        for n in sorted({r["history"] for r in blob["rows"]}):
+            by = {r["mode"]: r for r in blob["rows"] if r["history"] == n}
+            full, pfa, dyn, sel0 = (by.get(m, {}) for m in ("full", "pfa", "dynamic_topk", "pfa_sel0"))
+            dyn_ratio = dyn["latency_ms_p50"] / pfa["latency_ms_p50"] if dyn and pfa else None
+            cells = [ops, timing, n, full.get("users"), full.get("latency_ms_p50"), pfa.get("latency_ms_p50"),
+                     pfa.get("speedup_vs_full"), sel0.get("speedup_vs_full"), dyn.get("latency_ms_p50"), dyn_ratio,
+                     pfa.get("speedup_bound_from_attention")]
+            lines.append("| " + " | ".join("" if c is None else (f"{c:.3g}" if isinstance(c, float) else str(c))
+                                          for c in cells) + " |")
+    lines.append("")
+    for name, title in (("ranking_throughput.json", "Ranking on the GPU"), ("caching.json", "Caching on the GPU")):
+        path = gpu_dir / name
+        if path.exists():
+            blob = json.loads(path.read_text())
+            blob["_file"] = f"gpu/{name}"
+            cols = RANKING_COLUMNS if name.startswith("ranking") else CACHING_COLUMNS
+            lines += [f"### {title}", "", _provenance(blob), "", markdown_table(_fmt_rows(blob["rows"], 3), cols, ".3g"),
+                      ""]
+    return lines
+
+
 def write_report(directory: Path = RESULTS_DIR) -> Path:
     directory = Path(directory)
     results = load_results(directory)
@@ -190,6 +235,8 @@ def write_report(directory: Path = RESULTS_DIR) -> Path:
             lines += section(results[name], directory)
         else:
             lines += [f"## {name}", "", "(no result file yet)", ""]
+    if (directory / "gpu").is_dir():
+        lines += gpu_section(directory / "gpu")
     others = results["_others"]
     if others:
         lines += ["## Other result files", ""]

@@ -164,6 +164,21 @@ def test_attention_probs(shape, dtype):
 
 # --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_selection_scores(shape, dtype):
+    """The scores the two selections rank by: PFA's beam-pooled head mean (-inf past the length)
+    and every beam's own head mean (0 past the length)."""
+    q, k, _, lengths = _decode_inputs(*shape, dtype, seed=22)
+    B, W = q.shape[:2]
+    w = torch.softmax(torch.randn(B, W, generator=torch.Generator().manual_seed(23)), -1)
+    mean = R.attention_probs(*_f32(q, k), lengths).mean(2)  # [B, W, N]
+    past = torch.arange(k.shape[1])[None, :] >= lengths[:, None]
+    pooled = torch.einsum("bw,bwn->bn", w, mean).masked_fill(past, float("-inf"))
+    _close(K._beam_head_mean(q, k, lengths), mean, PROB_TOL[dtype])
+    _close(K._pfa_scores(q, k, lengths, w), pooled, PROB_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("keep", [8, 64])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_pfa_select(shape, keep, dtype):

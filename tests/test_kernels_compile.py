@@ -51,7 +51,7 @@ K = _load_compilable_kernels() if IN_PROCESS else None
 # pointer arguments that hold integer indices / lengths / positions / timestamps
 INT_PTRS = {"len_ptr", "idx_ptr", "qpos_ptr", "kpos_ptr", "qts_ptr", "kts_ptr", "nh_ptr", "qself_ptr", "thr_ptr"}
 FLOAT_SCALARS = {"qk_scale", "inv_heads", "scale", "inv_norm", "inv_log2_base"}
-FP32_PTRS = {"_head_mean_probs_kernel": {"out_ptr"}, "_hstu_attention_kernel": {"pb_ptr", "tb_ptr"},
+FP32_PTRS = {"_pfa_scores_kernel": {"out_ptr"}, "_beam_head_mean_kernel": {"stat_ptr", "out_ptr"}, "_hstu_attention_kernel": {"pb_ptr", "tb_ptr"},
              "_decode_attention_kernel": {"sel_ptr", "tau_ptr"}}
 
 
@@ -92,10 +92,12 @@ CASES = [
                      DOT_PRECISION=_precision(dt))),
     ("_attention_probs_kernel", "d32",
      lambda dt: dict(BLOCK_W=64, BLOCK_N=64, BLOCK_D=32, DOT_PRECISION=_precision(dt))),
-    ("_head_mean_probs_kernel", "pooled",
-     lambda dt: dict(POOL_BEAMS=True, BLOCK_W=64, BLOCK_N=64, BLOCK_D=64, DOT_PRECISION=_precision(dt))),
-    ("_head_mean_probs_kernel", "per_beam",
-     lambda dt: dict(POOL_BEAMS=False, BLOCK_W=16, BLOCK_N=32, BLOCK_D=16, DOT_PRECISION=_precision(dt))),
+    ("_pfa_scores_kernel", "d64",
+     lambda dt: dict(BLOCK_W=64, BLOCK_N=64, BLOCK_D=64, DOT_PRECISION=_precision(dt))),
+    ("_beam_head_mean_kernel", "d16",
+     lambda dt: dict(BLOCK_W=16, BLOCK_N=32, BLOCK_D=16, DOT_PRECISION=_precision(dt))),
+    ("_beam_head_mean_kernel", "d64",
+     lambda dt: dict(BLOCK_W=64, BLOCK_N=64, BLOCK_D=64, DOT_PRECISION=_precision(dt))),
     ("_gather_rows_kernel", "rows", lambda dt: dict(BLOCK_J=8, BLOCK_F=512)),
     ("_hstu_attention_kernel", "d32",
      lambda dt: dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=32, BLOCK_DV=32, DOT_PRECISION=_precision(dt))),

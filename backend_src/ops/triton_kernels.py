@@ -263,21 +263,19 @@ def attention_probs(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor) -> 
 # head-averaged attention, pooled over beams (PFA scores) or kept per beam (dynamic top-k)
 # --------------------------------------------------------------------------------------------
 @triton.jit
-def _head_mean_probs_kernel(
+def _pfa_scores_kernel(
     q_ptr, k_ptr, len_ptr, w_ptr, out_ptr,
     W, H, N, D,
     sq_b, sq_w, sq_h, sq_d,
     sk_b, sk_n, sk_h, sk_d,
     sw_b, sw_w,
-    so_b, so_w, so_n,
+    so_b, so_n,
     qk_scale, inv_heads,
-    POOL_BEAMS: tl.constexpr,
     BLOCK_W: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """Adds mean_h a[b, w, h, n] of this (user, head, beam block) into out (fp32, zero-initialized):
-    POOL_BEAMS: out[b, n] += sum_w w[b, w] * a / H   (PFA importance s_n; rows n >= lengths[b]
-                get -inf, so that a top-k never picks them)
-    otherwise:  out[b, w, n] += a / H                 (each beam's own ranking; 0 past the length)"""
+    """PFA importance s_n = sum_w w[b, w] mean_h a[b, w, h, n]: this (user, head, beam block) adds
+    its part into out[b, n] (fp32, zero-initialized); rows n >= lengths[b] get -inf, so that a
+    top-k never picks them."""
     pid_bh = tl.program_id(0).to(tl.int64)
     pid_w = tl.program_id(1)
     b = pid_bh // H
@@ -293,12 +291,8 @@ def _head_mean_probs_kernel(
     k_base = k_ptr + b * sk_b + h * sk_h
 
     m, l = _softmax_stats(q, k_base, sk_n, sk_d, offs_d, d_mask, L, qk_scale, BLOCK_W, BLOCK_N, DOT_PRECISION)
-    scale_w = inv_heads / tl.where(l > 0.0, l, 1.0)  # 1 / (H l) per beam
-    if POOL_BEAMS:
-        wb = tl.load(w_ptr + b * sw_b + offs_w * sw_w, mask=w_mask, other=0.0).to(tl.float32)
-        scale_w = scale_w * wb
-    else:
-        scale_w = tl.where(w_mask, scale_w, 0.0)
+    wb = tl.load(w_ptr + b * sw_b + offs_w * sw_w, mask=w_mask, other=0.0).to(tl.float32)
+    scale_w = wb * inv_heads / tl.where(l > 0.0, l, 1.0)  # w_b / (H l)
     for start in range(0, L, BLOCK_N):
         n = start + offs_n
         n_mask = n < L
@@ -306,12 +300,8 @@ def _head_mean_probs_kernel(
                     mask=n_mask[:, None] & d_mask[None, :], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         p = tl.exp2(tl.where(n_mask[None, :], s, float("-inf")) - m[:, None]) * scale_w[:, None]
-        if POOL_BEAMS:
-            tl.atomic_add(out_ptr + b * so_b + n * so_n, tl.sum(p, axis=0), mask=n_mask)
-        else:
-            tl.atomic_add(out_ptr + b * so_b + offs_w[:, None] * so_w + n[None, :] * so_n, p,
-                          mask=w_mask[:, None] & n_mask[None, :])
-    if POOL_BEAMS and (pid_w == 0) and (h == 0):
+        tl.atomic_add(out_ptr + b * so_b + n * so_n, tl.sum(p, axis=0), mask=n_mask)
+    if (pid_w == 0) and (h == 0):
         # rows past the length: no program adds to them, so one plain store is race-free
         for start in range(L // BLOCK_N * BLOCK_N, N, BLOCK_N):
             n = start + offs_n
@@ -319,24 +309,89 @@ def _head_mean_probs_kernel(
                      mask=(n >= L) & (n < N))
 
 
-def _head_mean_probs(q, k, lengths, beam_weights=None):
-    """[B, N] PFA scores (beam_weights given; -inf past the length) or [B, W, N] per-beam
-    head-mean probs (0 past the length), fp32."""
+def _pfa_scores(q, k, lengths, beam_weights):
+    """[B, N] fp32 PFA scores, -inf past the length."""
     B, W, H, D = q.shape
     N = k.shape[1]
-    pool = beam_weights is not None
-    out = torch.zeros((B, N) if pool else (B, W, N), device=q.device, dtype=torch.float32)
-    so = (out.stride(0), 0, out.stride(1)) if pool else out.stride()
-    w_arg = beam_weights if pool else out
-    sw = beam_weights.stride() if pool else (0, 0)
+    out = torch.zeros((B, N), device=q.device, dtype=torch.float32)
     BLOCK_W = _pow2(W, 16, 64)
     grid = (B * H, triton.cdiv(W, BLOCK_W))
-    _head_mean_probs_kernel[grid](
-        q, k, lengths, w_arg, out, W, H, N, D,
-        *q.stride(), *k.stride(), *sw, *so,
+    _pfa_scores_kernel[grid](
+        q, k, lengths, beam_weights, out, W, H, N, D,
+        *q.stride(), *k.stride(), *beam_weights.stride(), *out.stride(),
         (D ** -0.5) * _LOG2E, 1.0 / H,
-        POOL_BEAMS=pool, BLOCK_W=BLOCK_W, BLOCK_N=_block_keys(N), BLOCK_D=_pow2(D),
-        DOT_PRECISION=_dot_precision(q), num_warps=4,
+        BLOCK_W=BLOCK_W, BLOCK_N=_block_keys(N), BLOCK_D=_pow2(D), DOT_PRECISION=_dot_precision(q), num_warps=4,
+    )
+    return out
+
+
+@triton.jit
+def _beam_head_mean_kernel(
+    q_ptr, k_ptr, len_ptr, stat_ptr, out_ptr,
+    W, H, N, D,
+    sq_b, sq_w, sq_h, sq_d,
+    sk_b, sk_n, sk_h, sk_d,
+    st_b, st_h, st_w,
+    so_b, so_w, so_n,
+    qk_scale, inv_heads,
+    BLOCK_W: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """out[b, w, n] = mean_h a[b, w, h, n] (each beam's own ranking; 0 past the length).
+
+    One program per (user, beam block) loops over the heads, so every output is written once
+    (no atomics, no zero fill): pass 1 keeps each head's softmax statistics in a small scratch
+    buffer stat [B, H, W, 2], pass 2 sums the heads' weights tile by tile."""
+    b = tl.program_id(0).to(tl.int64)
+    pid_w = tl.program_id(1)
+    offs_w = pid_w * BLOCK_W + tl.arange(0, BLOCK_W)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    w_mask = offs_w < W
+    d_mask = offs_d < D
+    L = tl.minimum(tl.load(len_ptr + b), N)
+    q_rows = q_ptr + b * sq_b + offs_w[:, None] * sq_w + offs_d[None, :] * sq_d
+    qw_mask = w_mask[:, None] & d_mask[None, :]
+    stat = stat_ptr + b * st_b + offs_w * st_w
+    for h in range(H):
+        q = tl.load(q_rows + h * sq_h, mask=qw_mask, other=0.0)
+        m, l = _softmax_stats(q, k_ptr + b * sk_b + h * sk_h, sk_n, sk_d, offs_d, d_mask, L, qk_scale,
+                              BLOCK_W, BLOCK_N, DOT_PRECISION)
+        tl.store(stat + h * st_h, m, mask=w_mask)
+        tl.store(stat + h * st_h + 1, inv_heads / tl.where(l > 0.0, l, 1.0), mask=w_mask)
+    tl.debug_barrier()  # the statistics are read back below by other threads of this program
+    o_rows = out_ptr + b * so_b + offs_w[:, None] * so_w
+    for start in range(0, L, BLOCK_N):
+        n = start + offs_n
+        n_mask = n < L
+        acc = tl.zeros([BLOCK_W, BLOCK_N], tl.float32)
+        for h in range(H):
+            q = tl.load(q_rows + h * sq_h, mask=qw_mask, other=0.0)
+            m = tl.load(stat + h * st_h, mask=w_mask, other=0.0)
+            c = tl.load(stat + h * st_h + 1, mask=w_mask, other=0.0)  # 1 / (H l)
+            k = tl.load(k_ptr + b * sk_b + h * sk_h + n[:, None] * sk_n + offs_d[None, :] * sk_d,
+                        mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+            acc += tl.exp2(tl.where(n_mask[None, :], s, float("-inf")) - m[:, None]) * c[:, None]
+        tl.store(o_rows + n[None, :] * so_n, acc, mask=w_mask[:, None] & (n < N)[None, :])
+    for start in range(tl.cdiv(L, BLOCK_N) * BLOCK_N, N, BLOCK_N):  # rows past the length: 0
+        n = start + offs_n
+        tl.store(o_rows + n[None, :] * so_n, tl.zeros([BLOCK_W, BLOCK_N], tl.float32),
+                 mask=w_mask[:, None] & (n < N)[None, :])
+
+
+def _beam_head_mean(q, k, lengths):
+    """[B, W, N] fp32 head-mean attention weights of every beam, 0 past the length."""
+    B, W, H, D = q.shape
+    N = k.shape[1]
+    out = torch.empty((B, W, N), device=q.device, dtype=torch.float32)
+    stat = torch.empty((B, H, W, 2), device=q.device, dtype=torch.float32)
+    BLOCK_W = _pow2(W, 16, 64)
+    grid = (B, triton.cdiv(W, BLOCK_W))
+    _beam_head_mean_kernel[grid](
+        q, k, lengths, stat, out, W, H, N, D,
+        *q.stride(), *k.stride(), *stat.stride()[:3], *out.stride(),
+        (D ** -0.5) * _LOG2E, 1.0 / H,
+        BLOCK_W=BLOCK_W, BLOCK_N=_block_keys(N), BLOCK_D=_pow2(D), DOT_PRECISION=_dot_precision(q), num_warps=4,
     )
     return out
 
@@ -355,7 +410,7 @@ def pfa_select(
     if _use_reference(q, k, v, beam_weights):
         return reference.pfa_select(q, k, v, lengths, beam_weights, keep)
     N = k.shape[1]
-    scores = _head_mean_probs(q, k, lengths, beam_weights)  # [B, N] fp32, -inf past the length
+    scores = _pfa_scores(q, k, lengths, beam_weights)  # [B, N] fp32, -inf past the length
     keep = min(keep, N)
     order = torch.topk(scores, keep, dim=1, sorted=True).indices  # [B, keep]
     kept_lengths = torch.clamp(lengths, max=keep)
@@ -380,7 +435,7 @@ def dynamic_topk_attention(
     if _use_reference(q, k, v):
         return reference.dynamic_topk_attention(q, k, v, lengths, keep, return_indices)
     N = k.shape[1]
-    mean_probs = _head_mean_probs(q, k, lengths)  # [B, W, N] fp32, 0 beyond lengths
+    mean_probs = _beam_head_mean(q, k, lengths)  # [B, W, N] fp32, 0 beyond lengths
     keep = min(keep, N)
     top = torch.topk(mean_probs, keep, dim=-1, sorted=return_indices)  # order only when read
     tau = top.values.amin(-1)  # [B, W]; 0 when the user has no more than `keep` rows
