@@ -14,6 +14,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def git_commit() -> str:
+    if os.environ.get("GENREC_COMMIT"):  # a copied tree whose git metadata is not the source's
+        return os.environ["GENREC_COMMIT"] + " (as given by GENREC_COMMIT)"
     try:
         sha = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, check=True

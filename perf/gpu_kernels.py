@@ -456,6 +456,7 @@ def main(argv=None) -> int:
     sys.path.insert(0, str(REPO))
     from backend_src.ops import reference as R
     from backend_src.ops import triton_kernels as K
+    from backend_src.results import git_commit
 
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     dev = "cpu" if args.cpu_smoke else "cuda"
@@ -477,6 +478,7 @@ def main(argv=None) -> int:
     report = {
         "device": info,
         "versions": {"torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version()},
+        "commit": git_commit(),
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "decode": [], "hstu": [],
     }

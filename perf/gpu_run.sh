@@ -7,6 +7,7 @@
 #    with the ops forced to the torch reference; each timed eager (Python launching every op, as
 #    served) and as CUDA-graph replays (the GPU's own work);
 # 3. M-FALCON ranking (perf.bench_ranking) and history caching (perf.bench_caching) on the GPU.
+# GENREC_COMMIT names the commit in the result files when the tree was copied without its history.
 # Each step has its own time limit and writes its results as it goes, so one failing or slow step
 # leaves the others' results. Everything printed also goes to OUT_DIR/run.log.
 set -u
