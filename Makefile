@@ -69,9 +69,10 @@ check-triton36: setup
 	$(PY) -m pip install -q --no-deps --target $(RUNS)/triton36 triton==3.6.0
 	PYTHONPATH=$(RUNS)/triton36 $(PY) -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_kernels_compile.py
 
-## on a GPU host: every kernel against the torch reference, bandwidth vs peak
+## on a GPU host (its own python3 with torch + triton): kernels against the reference, bandwidth vs peak,
+## whole decode eager and as CUDA graphs, ranking, caching -> perf/results/gpu
 bench-gpu:
-	python3 perf/gpu_kernels.py --out perf/results
+	bash perf/gpu_run.sh perf/results/gpu
 
 ## the README's quality results (long runs)
 train-beauty: setup

@@ -232,14 +232,15 @@ def bench_decode(torch, R, K, timer, args, cfg, dtype, dev, info) -> dict:
         "decode_attention": esize * (2 * B * W * H * d + 2 * valid_rows * H * d),
         "attention_probs": esize * (B * W * H * d + valid_rows * H * d + B * W * H * N),
         "pfa_select": esize * (2 * B * W * H * d + valid_rows * H * d + kept_rows * H * d),
-        "dynamic_topk_attention": esize * (2 * B * W * H * d + valid_rows * H * d + 2 * B * W * keep * H * d),
+        # every beam's rows are masked in one dense pass over the user's K/V (no per-beam gather)
+        "dynamic_topk_attention": esize * (2 * B * W * H * d + 2 * valid_rows * H * d),
         "gather_rows": esize * 2 * B * keep * H * d,
     }
     flops = {
         "decode_attention": 4 * W * valid_rows * H * d,
         "attention_probs": 2 * W * valid_rows * H * d,
         "pfa_select": 4 * W * valid_rows * H * d + 4 * W * kept_rows * H * d,
-        "dynamic_topk_attention": 4 * W * valid_rows * H * d + 4 * W * B * keep * H * d,
+        "dynamic_topk_attention": 8 * W * valid_rows * H * d,  # QK for statistics and weights, then QK + AV
         "gather_rows": 0.0,
     }
     calls = {
