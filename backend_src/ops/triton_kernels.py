@@ -2,14 +2,16 @@
 
 Every wrapper takes the tensors as the reference does (any strides; fp32, fp16, bf16 on GPUs;
 fp32 accumulation; output in the input dtype) and launches ``@triton.jit`` kernels for the heavy work.
-Torch glue is limited to allocation, a top-k over a small score matrix and masking it.
+Torch glue is limited to allocation and the top-k over a score matrix (``torch.topk``).
 Calls needing gradients (the kernels are forward-only), other dtypes (float64) and empty inputs
 are handed to the reference.
 
 Decode attention (seed 000) is one program per (user, head, block of beams): the beams of a user
 share one K/V block, so each key tile is loaded once and multiplied against all beams of the block
 with ``tl.dot``; an online softmax runs over key tiles up to ``lengths[b]`` (the PFA prefix
-budget), so a shorter budget reads fewer rows. HSTU attention (seed 001) is one program per
+budget), so a shorter budget reads fewer rows. The selections score the history with the same
+tiles: PFA pools every beam's head-mean weight into one score per row; dynamic top-k keeps each
+beam's own weights and then masks every beam's rows by its k-th weight in one dense pass. HSTU attention (seed 001) is one program per
 (batch, head, block of queries) with the relative position / time bias and the M-FALCON mask
 computed in the kernel.
 """
