@@ -14,7 +14,7 @@ import torch
 
 from .loaders import SequenceData
 
-SPLITS = ("train_last", "valid", "test")
+SPLITS = ("valid", "test")
 
 
 @dataclass
@@ -56,11 +56,10 @@ def _recent_rows(starts: np.ndarray, ends: np.ndarray, max_len: int, width: int)
 
 
 def target_rows(data: SequenceData, split: str) -> np.ndarray:
-    """[U] event row of each user's held-out item for split 'test' (last) or 'valid' (second last);
-    'train_last' is the last training target (third last), for training on retrieval's outputs."""
+    """[U] event row of each user's held-out item for split 'test' (last) or 'valid' (second last)."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-    return data.offsets[1:] - (1 + SPLITS[::-1].index(split))
+    return data.offsets[1:] - (1 if split == "test" else 2)
 
 
 def train_batches(data: SequenceData, batch_size: int, max_len: int, rng=None,
