@@ -80,5 +80,9 @@ class TrainConfig:
     weight_decay: float = 0.0
     stochastic_length_alpha: float = 2.0  # 2.0 = off; seed 001 uses about 1.6 for long histories
     ranker_weight: float = 1.0
+    # "constant", or "cosine": lr decays to lr * lr_min_ratio over the run (its time budget when
+    # one is given, else its epochs)
+    lr_schedule: str = "constant"
+    lr_min_ratio: float = 0.05
     seed: int = 0
     extra: dict = field(default_factory=dict)

@@ -83,6 +83,16 @@ def losses(model: GenerativeRecommender, batch, sampler: NegativeSampler, tcfg: 
     return out
 
 
+def lr_scale(tcfg: TrainConfig, progress: float) -> float:
+    """Learning-rate multiplier at `progress` in [0, 1] of the run."""
+    if tcfg.lr_schedule == "constant":
+        return 1.0
+    if tcfg.lr_schedule != "cosine":
+        raise ValueError(f"lr_schedule must be 'constant' or 'cosine', got {tcfg.lr_schedule!r}")
+    lo = tcfg.lr_min_ratio
+    return lo + (1.0 - lo) * 0.5 * (1.0 + math.cos(math.pi * min(max(progress, 0.0), 1.0)))
+
+
 def train(
     model: GenerativeRecommender,
     data,
@@ -115,6 +125,10 @@ def train(
             mininterval=2.0,
         )
         for batch in bar:
+            # progress: the larger of the time and epoch fractions (whichever ends the run first)
+            progress = max((time.time() - start) / (60 * minutes) if minutes else 0.0, epoch / tcfg.epochs)
+            for group in opt.param_groups:
+                group["lr"] = tcfg.lr * lr_scale(tcfg, progress)
             parts = losses(model, batch, sampler, tcfg, gen)
             loss = sum(parts.values())
             opt.zero_grad(set_to_none=True)

@@ -42,6 +42,8 @@ def parse_args(argv=None):
     p.add_argument("--codebook", type=int, nargs=3, help="sizes of the 3 residual k-means levels")
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--lr-schedule", choices=["constant", "cosine"], default="constant",
+                   help="cosine: decay the learning rate to 5%% over the time budget (or the epochs)")
     p.add_argument("--dropout", type=float, default=0.2)
     p.add_argument("--alpha", type=float, default=2.0, help="stochastic length alpha (2 = off)")
     p.add_argument("--shared-kv", action="store_true", help="PFA ablation: one K/V projection for all steps")
@@ -74,6 +76,7 @@ def main(argv=None):
         epochs=args.epochs or preset["epochs"],
         batch_size=args.batch_size,
         lr=args.lr,
+        lr_schedule=args.lr_schedule,
         stochastic_length_alpha=args.alpha,
         ranker_weight=args.ranker_weight,
         seed=args.seed,
