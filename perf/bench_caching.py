@@ -113,8 +113,8 @@ def main(argv=None) -> dict:
              "into the spare rows of the cached buffers (in_place=True, as the server does for one session); "
              "append_copy_E copies the cached K/V into a new combined cache (the batched path)",
         config=dict(history=n, users=args.users, new_events=args.new_events, d_model=args.d_model,
-                    layers=args.layers, heads=args.heads, threads=args.thread_counts, device=args.device, warmup=args.warmup,
-                    reps_requested=args.reps, quick=args.quick),
+                    layers=args.layers, heads=args.heads, threads=args.thread_counts, device=args.device,
+                    warmup=args.warmup, reps_requested=args.reps, quick=args.quick),
         goal=dict(speedup_one_event=GOAL_SPEEDUP_ONE_EVENT),
     )
     path = args.out / "caching.json"

@@ -26,7 +26,8 @@ from backend_src.decoding.beam_search import generate
 from backend_src.model.decoder import SemanticIdDecoder
 from backend_src.model.semantic_ids import SemanticIdCodebook
 from perf.common import (
-    add_common_args, cuda_graphed, device_sync, fill_defaults, host_load, interleaved, log, median_s, ratio, save_result, setup_torch, summary_ms,
+    add_common_args, cuda_graphed, device_sync, fill_defaults, host_load, interleaved, log, median_s, ratio,
+    save_result, setup_torch, summary_ms,
 )
 
 # Seed 000, industrial data, history 512, beam 100, 512 users a batch on L20 GPUs (anchors.md)
@@ -249,7 +250,7 @@ def main(argv=None) -> dict:
         log(f"  history {n}, {users} users: full {full_s * 1e3:.1f} ms/batch "
             f"(K/V projection {proj_s[False] * 1e3:.1f} ms, attention {attn_share:.0%} of it), "
             f"reps {len(times['full'])}")
-        for name in (n for n in names if n in times):
+        for name in (v for v in names if v in times):  # a variant not captured has no times
             fields, shared = VARIANTS[name]
             opts = DecodeOptions(beam_width=args.beam, **fields)
             cost = attention_macs(opts.mode, n, args.beam, args.heads, head_dim, opts.k, opts.r, opts.selection_step)

@@ -179,8 +179,10 @@ def caching_section(blob: dict, out_dir: Path) -> list[str]:
 
 
 # the whole-decode runs of perf/gpu_run.sh: (subdirectory, ops backend, timing)
-GPU_DECODE_RUNS = [("graphs", "Triton kernels", "CUDA-graph replay"), (".", "Triton kernels", "eager"),
-                   ("torch_ops_graphs", "torch reference", "CUDA-graph replay"), ("torch_ops", "torch reference", "eager")]
+GPU_DECODE_RUNS = [
+    ("graphs", "Triton kernels", "CUDA-graph replay"), (".", "Triton kernels", "eager"),
+    ("torch_ops_graphs", "torch reference", "CUDA-graph replay"), ("torch_ops", "torch reference", "eager"),
+]
 
 
 def gpu_section(gpu_dir: Path) -> list[str]:
@@ -218,8 +220,8 @@ def gpu_section(gpu_dir: Path) -> list[str]:
             blob = json.loads(path.read_text())
             blob["_file"] = f"gpu/{name}"
             cols = RANKING_COLUMNS if name.startswith("ranking") else CACHING_COLUMNS
-            lines += [f"### {title}", "", _provenance(blob), "", markdown_table(_fmt_rows(blob["rows"], 3), cols, ".3g"),
-                      ""]
+            table = markdown_table(_fmt_rows(blob["rows"], 3), cols, ".3g")
+            lines += [f"### {title}", "", _provenance(blob), "", table, ""]
     return lines
 
 
