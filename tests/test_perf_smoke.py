@@ -96,3 +96,26 @@ def test_mac_count_rules():
     # a history shorter than k reads every row: no savings after selection
     short = attention_macs("pfa", 128, 100, 2, 32, 256, 1.0, 1)
     assert short["attn_macs"] == attention_macs("full", 128, 100, 2, 32, 256, 1.0, 1)["attn_macs"]
+
+
+def test_report_gpu_section(results, tmp_path):
+    """perf/gpu_run.sh's layout (decode runs in subfolders, ranking and caching beside them) gives a
+    GPU section with one row per run and history length."""
+    import shutil
+
+    from perf.report import write_report
+
+    gpu = tmp_path / "gpu"
+    for sub in ("graphs", "torch_ops"):
+        (gpu / sub).mkdir(parents=True)
+        shutil.copy(results / "decode_latency.json", gpu / sub)
+    for name in ("decode_latency.json", "ranking_throughput.json", "caching.json"):
+        shutil.copy(results / name, gpu / name)
+    for name in ("decode_latency.json", "ranking_throughput.json", "caching.json"):
+        shutil.copy(results / name, tmp_path / name)
+    text = write_report(tmp_path).read_text()
+    section = text[text.index("## On a GPU"):]
+    histories = {r["history"] for r in json.loads((results / "decode_latency.json").read_text())["rows"]}
+    assert sum(line.startswith(("| Triton kernels", "| torch reference")) for line in section.splitlines()) \
+        == 3 * len(histories)
+    assert "### Ranking on the GPU" in section and "### Caching on the GPU" in section
