@@ -79,7 +79,7 @@ def parse_args(argv=None):
 # --------------------------------------------------------------------------------------------
 # device facts
 # --------------------------------------------------------------------------------------------
-def device_info(torch, args) -> dict:
+def device_info(torch, args, timer) -> dict:
     if args.cpu_smoke:
         return {"name": "cpu (interpreter smoke run)", "peak_bw": args.peak_bw or DEFAULT_PEAK_BW,
                 "peak_flops": {"tensor_fp16": None, "tf32": None, "fp32": None}}
@@ -94,18 +94,10 @@ def device_info(torch, args) -> dict:
     # dense FLOPs per SM per clock: Hopper tensor cores 4096 (fp16/bf16), 2048 (tf32); FP32 FMA 256
     per_sm = {"tensor_fp16": 4096, "tf32": 2048, "fp32": 256} if props.major >= 9 else \
         {"tensor_fp16": 2048, "tf32": 1024, "fp32": 256}
-    # the achievable ceiling: a 1 GiB device-to-device copy, bytes read + written (median of 20)
+    # the achievable ceiling: a 1 GiB device-to-device copy, bytes read + written
     src = torch.randint(0, 256, (2**30,), dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    copy_ms = []
-    for _ in range(21):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        dst.copy_(src)
-        e.record()
-        torch.cuda.synchronize()
-        copy_ms.append(s.elapsed_time(e))
-    copy_bw = 2 * src.numel() / (statistics.median(copy_ms[1:]) * 1e-3)
+    copy_bw = 2 * src.numel() / (timer(lambda: dst.copy_(src)) * 1e-3)
     del src, dst
     return {
         "name": props.name, "capability": f"{props.major}.{props.minor}", "sms": sms,
@@ -465,8 +457,8 @@ def main(argv=None) -> int:
     if args.cpu_smoke:
         args.beam = min(args.beam, 5)
         args.k = min(args.k, 16)
-    info = device_info(torch, args)
     timer = Timer(torch, args.rep_ms, cpu=args.cpu_smoke)
+    info = device_info(torch, args, timer)
     if not args.cpu_smoke:  # an idle GPU runs at a low clock: raise it before the first timing
         a = torch.randn(4096, 4096, device="cuda", dtype=torch.float16)
         t_end = time.time() + 2.0

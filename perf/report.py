@@ -199,20 +199,21 @@ def gpu_section(gpu_dir: Path) -> list[str]:
              f"{first['config']['items']} items, d_model {first['config']['d_model']}, "
              f"{first['config']['heads']} heads; ms per batch (median). Eager: Python launches every op (as "
              "served); CUDA-graph replay: the GPU's own work without per-op launch cost. Kernel-level tables: "
-             "`gpu/gpu_kernels.md`.", "",
-             "| ops | timing | history | users | full ms | PFA ms | PFA speedup | PFA sel0 speedup | "
-             "dyn top-k ms | dyn top-k / PFA | Amdahl bound for PFA |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "`gpu/gpu_kernels.md`.", ""]
+    rows = []
     for _, ops, timing, blob in runs:
         for n in sorted({r["history"] for r in blob["rows"]}):
             by = {r["mode"]: r for r in blob["rows"] if r["history"] == n}
             full, pfa, dyn, sel0 = (by.get(m, {}) for m in ("full", "pfa", "dynamic_topk", "pfa_sel0"))
-            dyn_ratio = dyn["latency_ms_p50"] / pfa["latency_ms_p50"] if dyn and pfa else None
-            cells = [ops, timing, n, full.get("users"), full.get("latency_ms_p50"), pfa.get("latency_ms_p50"),
-                     pfa.get("speedup_vs_full"), sel0.get("speedup_vs_full"), dyn.get("latency_ms_p50"), dyn_ratio,
-                     pfa.get("speedup_bound_from_attention")]
-            lines.append("| " + " | ".join("" if c is None else (f"{c:.3g}" if isinstance(c, float) else str(c))
-                                          for c in cells) + " |")
+            rows.append({
+                "ops": ops, "timing": timing, "history": n, "users": full.get("users"),
+                "full_ms": full.get("latency_ms_p50"), "pfa_ms": pfa.get("latency_ms_p50"),
+                "pfa_speedup": pfa.get("speedup_vs_full"), "pfa_sel0_speedup": sel0.get("speedup_vs_full"),
+                "dynamic_topk_ms": dyn.get("latency_ms_p50"),
+                "dynamic_topk_over_pfa": dyn["latency_ms_p50"] / pfa["latency_ms_p50"] if dyn and pfa else None,
+                "pfa_amdahl_bound": pfa.get("speedup_bound_from_attention"),
+            })
+    lines.append(markdown_table(rows, list(rows[0]), ".3g"))
     lines.append("")
     for name, title in (("ranking_throughput.json", "Ranking on the GPU"), ("caching.json", "Caching on the GPU")):
         path = gpu_dir / name

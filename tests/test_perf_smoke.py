@@ -110,9 +110,8 @@ def test_report_gpu_section(results, tmp_path):
         (gpu / sub).mkdir(parents=True)
         shutil.copy(results / "decode_latency.json", gpu / sub)
     for name in ("decode_latency.json", "ranking_throughput.json", "caching.json"):
-        shutil.copy(results / name, gpu / name)
-    for name in ("decode_latency.json", "ranking_throughput.json", "caching.json"):
-        shutil.copy(results / name, tmp_path / name)
+        for folder in (gpu, tmp_path):
+            shutil.copy(results / name, folder / name)
     text = write_report(tmp_path).read_text()
     section = text[text.index("## On a GPU"):]
     histories = {r["history"] for r in json.loads((results / "decode_latency.json").read_text())["rows"]}
