@@ -270,11 +270,12 @@ class HSTULayer(nn.Module):
         B, M = x.shape[:2]
         return u, q.reshape(B, M, H, dqk), k.reshape(B, M, H, dqk), v.reshape(B, M, H, dv)
 
-    def attend(self, q, k, v, q_pos, k_pos, q_ts, k_ts, num_history, q_self) -> torch.Tensor:
-        """A(X) V through the shared op (positional arguments: the op dispatches on them)."""
+    def attend(self, q, k, v, q_pos, k_pos, q_ts, k_ts, num_history, q_self, shared=None) -> torch.Tensor:
+        """A(X) V through the shared op (positional arguments: the op dispatches on them).
+        shared: one dict for all layers of a pass (see ``ops.hstu_attention``)."""
         return ops.hstu_attention(
             q, k, v, q_pos, k_pos, q_ts, k_ts, num_history, q_self,
-            self.pos_bias, self.time_bias, self.time_base, self.scale, self.attn_divisor,
+            self.pos_bias, self.time_bias, self.time_base, self.scale, self.attn_divisor, shared=shared,
         )
 
     def output(self, x: torch.Tensor, attn: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -323,12 +324,12 @@ class HSTUEncoder(nn.Module):
         x = self.embed(items, actions) * vmask
         pos = torch.arange(N, device=items.device).expand(B, N)
         no_self = torch.full_like(pos, -1)
-        keys, values = [], []
+        keys, values, shared = [], [], {}
         for layer in self.layers:
             u, q, k, v = layer.project(x)
             k = k * vmask[..., None]  # padding rows hold zeros in the cache
             v = v * vmask[..., None]
-            attn = layer.attend(q, k, v, pos, pos, timestamps, timestamps, lengths, no_self)
+            attn = layer.attend(q, k, v, pos, pos, timestamps, timestamps, lengths, no_self, shared)
             x = layer.output(x, attn, u)
             keys.append(k)
             values.append(v)
@@ -374,10 +375,11 @@ class HSTUEncoder(nn.Module):
         in_place = in_place and bool((cache.lengths == No).all()) and bool((new_lengths == Nn).all())
         n_out = No + Nn if in_place else (int(total.max()) if B else 0)
         old_len = cache.lengths
-        new_valid = row_mask(new_lengths, Nn)
-        nmask = new_valid[..., None].to(self.item_embedding.weight.dtype)
-
-        x = self.embed(items, actions) * nmask
+        # in place, every new row is valid: no padding to zero
+        nmask = None if in_place else row_mask(new_lengths, Nn)[..., None].to(self.item_embedding.weight.dtype)
+        x = self.embed(items, actions)
+        if nmask is not None:
+            x = x * nmask
         q_pos = old_len[:, None] + torch.arange(Nn, device=items.device)[None, :]  # [B, Nn]
         k_pos = torch.arange(n_out, device=items.device).expand(B, n_out)  # row index = position
         no_self = torch.full_like(q_pos, -1)
@@ -392,6 +394,7 @@ class HSTUEncoder(nn.Module):
             # every layer's merged rows go straight into the stacked cache tensors
             keys = cache.keys.new_empty((len(self.layers), B, n_out, *cache.keys.shape[3:]))
             values = cache.values.new_empty((len(self.layers), B, n_out, *cache.values.shape[3:]))
+        shared = {}
         for li, layer in enumerate(self.layers):
             u, q, k, v = layer.project(x)
             if in_place:
@@ -401,14 +404,14 @@ class HSTUEncoder(nn.Module):
             else:
                 k_all = merge_rows(cache.keys[li], k, old_len, new_lengths, n_out, out=keys[li])
                 v_all = merge_rows(cache.values[li], v, old_len, new_lengths, n_out, out=values[li])
-            attn = layer.attend(q, k_all, v_all, q_pos, k_pos, timestamps, k_ts, total, no_self)
+            attn = layer.attend(q, k_all, v_all, q_pos, k_pos, timestamps, k_ts, total, no_self, shared)
             x = layer.output(x, attn, u)
-        new_states = self.final_norm(x) * nmask
+        new_states = self.final_norm(x)
         if in_place:
             out.states[:, No:].copy_(new_states)
             states = out.states
         else:
-            states = merge_rows(cache.states, new_states, old_len, new_lengths, n_out)
+            states = merge_rows(cache.states, new_states * nmask, old_len, new_lengths, n_out)
         return HistoryCache(
             keys=keys,
             values=values,

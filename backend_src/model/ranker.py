@@ -68,11 +68,12 @@ class MFalconRanker(nn.Module):
             k_pos = torch.cat([hist_pos, q_pos], dim=1)  # [B, N + m]
             k_ts = torch.cat([cache.timestamps, q_ts], dim=1)
             q_self = (N + torch.arange(m, device=dev)).expand(B, m)  # own key index
+            shared = {}
             for li, layer in enumerate(layers):
                 u, q, k, v = layer.project(x)
                 k_all = torch.cat([cache.keys[li], k], dim=1)  # [B, N + m, H, dqk]
                 v_all = torch.cat([cache.values[li], v], dim=1)
-                attn = layer.attend(q, k_all, v_all, q_pos, k_pos, q_ts, k_ts, num_history, q_self)
+                attn = layer.attend(q, k_all, v_all, q_pos, k_pos, q_ts, k_ts, num_history, q_self, shared)
                 x = layer.output(x, attn, u)
             out.append(self.backbone.final_norm(x))
         if not out:

@@ -41,6 +41,7 @@ def hstu_attention(
     time_base: float,
     scale: float,
     norm: float,  # the fixed divisor N of seed 001 (max sequence length), keeps incremental == full
+    shared: dict | None = None,
 ) -> torch.Tensor:
     """out[b,i,h] = sum_j allowed(i,j) * silu(scale * q.k + rab_pos + rab_time) / norm * v[b,j,h].
 
@@ -48,20 +49,31 @@ def hstu_attention(
                     or j == q_self[b, i]                             # a candidate sees itself
     History queries use q_self = -1; an M-FALCON candidate uses the index of its own key, so
     candidates see the whole history and themselves, never each other.
+
+    shared: a dict handed to every call with the same positions, timestamps, masks, table sizes
+    and norm (the layers of one pass); the bias row indices and the mask are computed by the
+    first call and reused by the others.
     """
     B, M, H, _ = q.shape
     Nk = k.shape[1]
-    logits = torch.einsum("bmhd,bnhd->bhmn", q, k) * scale
-    rel = (q_pos[:, :, None] - k_pos[:, None, :]).clamp_(0, pos_bias.shape[1] - 1)  # [B, M, Nk]
-    tb = time_bucket(q_ts[:, :, None] - k_ts[:, None, :], time_bias.shape[1], time_base)
+    # matmul on transposed views, not einsum: for one appended row the permutes and reshapes
+    # around einsum cost as much as the products themselves
+    logits = torch.matmul(q.transpose(1, 2), k.permute(0, 2, 3, 1))  # [B, H, M, Nk]
+    layout = None if shared is None else shared.get("hstu_layout")
+    if layout is None:
+        rel = (q_pos[:, :, None] - k_pos[:, None, :]).clamp_(0, pos_bias.shape[1] - 1)  # [B, M, Nk]
+        tb = time_bucket(q_ts[:, :, None] - k_ts[:, None, :], time_bias.shape[1], time_base)
+        j = torch.arange(Nk, device=q.device)
+        hist = (j[None, None, :] < num_history[:, None, None]) & (k_pos[:, None, :] <= q_pos[:, :, None])
+        allowed = hist | (j[None, None, :] == q_self[:, :, None])  # [B, M, Nk]
+        layout = (rel.view(-1), tb.view(-1), (allowed / norm).to(logits.dtype)[:, None])
+        if shared is not None:
+            shared["hstu_layout"] = layout
+    rel, tb, weight = layout
     # both biases as row gathers of the [H, P] / [H, T] tables: [H, B*M*Nk] -> [B, H, M, Nk]
-    bias = pos_bias.index_select(1, rel.view(-1)) + time_bias.index_select(1, tb.view(-1))
-    logits += bias.view(H, B, M, Nk).transpose(0, 1)
-    j = torch.arange(Nk, device=q.device)
-    hist = (j[None, None, :] < num_history[:, None, None]) & (k_pos[:, None, :] <= q_pos[:, :, None])
-    allowed = hist | (j[None, None, :] == q_self[:, :, None])  # [B, M, Nk]
-    attn = F.silu(logits).mul_((allowed / norm).to(logits.dtype)[:, None])
-    return torch.einsum("bhmn,bnhd->bmhd", attn, v)
+    bias = pos_bias.index_select(1, rel) + time_bias.index_select(1, tb)
+    attn = F.silu(torch.add(bias.view(H, B, M, Nk).transpose(0, 1), logits, alpha=scale)).mul_(weight)
+    return torch.matmul(attn, v.transpose(1, 2)).transpose(1, 2)  # [B, M, H, dv]
 
 
 # --------------------------------------------------------------------------------------------

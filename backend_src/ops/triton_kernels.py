@@ -641,12 +641,14 @@ def hstu_attention(
     time_base: float,
     scale: float,
     norm: float,
+    shared: dict | None = None,
 ) -> torch.Tensor:
     """HSTU pointwise attention with relative position/time bias and the M-FALCON mask (see the
-    reference for the rule). q [B, M, H, d], k [B, Nk, H, d], v [B, Nk, H, dv] -> [B, M, H, dv]."""
+    reference for the rule). q [B, M, H, d], k [B, Nk, H, d], v [B, Nk, H, dv] -> [B, M, H, dv].
+    `shared` is the reference's (the kernel derives biases and mask in registers)."""
     if _use_reference(q, k, v, pos_bias, time_bias):
         return reference.hstu_attention(q, k, v, q_pos, k_pos, q_ts, k_ts, num_history, q_self,
-                                        pos_bias, time_bias, time_base, scale, norm)
+                                        pos_bias, time_bias, time_base, scale, norm, shared)
     B, M, H, D = q.shape
     NK = k.shape[1]
     DV = v.shape[-1]
