@@ -22,6 +22,9 @@ class ModelConfig:
     decoder_heads: int = 2
     shared_kv_projection: bool = False  # PFA ablation: one K/V projection for all steps
     ranker_negatives: int = 64
+    # served ("fused") order: rank_fusion_weight * M-FALCON logit + retrieval log-probability;
+    # chosen on the validation split after training (export.train, export.evaluate --tune-fusion)
+    rank_fusion_weight: float = 1.0
 
     @property
     def num_codes(self) -> int:

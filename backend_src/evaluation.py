@@ -15,6 +15,7 @@ from tqdm import tqdm
 from backend_src.config import DecodeOptions
 from backend_src.data.sequences import eval_batches
 from backend_src.metrics import MetricAccumulator
+from backend_src.model.recommender import fuse
 
 
 def drop_seen(cands: torch.Tensor, scores: torch.Tensor, history: torch.Tensor, exclude: bool = True) -> torch.Tensor:
@@ -35,15 +36,18 @@ def evaluate(
     options: DecodeOptions | None = None,
     batch_size: int = 64,
     max_users: int | None = None,
+    users=None,  # explicit user rows (overrides max_users)
     rank: bool = True,
     dense: bool = True,
+    fusion_weights=(),  # extra orders "fused@w": w * ranker logit + retrieval log-probability
     ks=(5, 10),
     progress: bool = True,
 ) -> dict:
     """Returns {"<order>/<seen policy>": {"recall@5": ..., ...}, "timing": {...}}."""
     options = options or DecodeOptions()
     model.eval()
-    users = None if max_users is None else range(min(max_users, data.num_users))
+    if users is None and max_users is not None:
+        users = range(min(max_users, data.num_users))
     acc: dict[str, MetricAccumulator] = {}
     t_retrieve = t_rank = 0.0
     batches = eval_batches(data, split=split, batch_size=batch_size, max_len=model.cfg.max_seq_len, users=users)
@@ -58,8 +62,10 @@ def evaluate(
             rank_scores = model.rank(cache, beams.item_ids)
             t_rank += time.perf_counter() - t0
             orders["ranked"] = (beams.item_ids, rank_scores)
-            # product of the two experts: ranker logit + retrieval log-probability
-            orders["fused"] = (beams.item_ids, rank_scores + beams.log_probs)
+            # product of the two experts: (weighted) ranker logit + retrieval log-probability
+            orders["fused"] = (beams.item_ids, fuse(rank_scores, beams.log_probs, model.cfg.rank_fusion_weight))
+            for w in fusion_weights:
+                orders[f"fused@{w:g}"] = (beams.item_ids, fuse(rank_scores, beams.log_probs, w))
         if dense:
             scores = model.dense_scores(cache.states[torch.arange(len(batch.lengths)), batch.lengths - 1])
             top = torch.topk(scores, max(options.beam_width, max(ks)) + batch.items.shape[1], dim=1)
@@ -73,3 +79,16 @@ def evaluate(
     n = next(iter(acc.values())).count if acc else 0
     out["timing"] = {"users": n, "retrieve_s": t_retrieve, "rank_s": t_rank}
     return out
+
+
+FUSION_GRID = (0.0, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0)
+
+
+def tune_fusion_weight(model, data, options: DecodeOptions | None = None, weights=FUSION_GRID,
+                       metric: str = "ndcg@10", users=None, progress: bool = True) -> tuple[float, dict]:
+    """The ranker weight of the fused order with the best validation `metric` (seen items
+    included), and every weight's validation metrics. Never looks at the test split."""
+    res = evaluate(model, data, "valid", options, users=users, dense=False, fusion_weights=weights, progress=progress)
+    table = {w: res[f"fused@{w:g}/seen_included"] for w in weights}
+    best = max(weights, key=lambda w: (table[w][metric], -abs(w - 1.0)))  # ties: the plain sum
+    return best, table

@@ -4,8 +4,10 @@
         --out perf/results/quality_beauty_eval.json
 
 Orders reported: retrieval (beam log-probability), ranked (M-FALCON score over the beams),
-fused (ranker logit + retrieval log-probability) and dense (the auxiliary head, a diagnostic),
-each with already-seen items included and excluded.
+fused (the served order: w * ranker logit + retrieval log-probability, w = the checkpoint's
+rank_fusion_weight) and dense (the auxiliary head, a diagnostic), each with already-seen items
+included and excluded. --tune-fusion first picks w on the validation split and saves it into
+the checkpoint (export.train does this after training).
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import argparse
 
 from backend_src.config import DecodeOptions
 from backend_src.data.loaders import load_dataset
-from backend_src.evaluation import evaluate
+from backend_src.evaluation import evaluate, tune_fusion_weight
 from backend_src.model.recommender import GenerativeRecommender
 from backend_src.results import markdown_table, write_result
 
@@ -27,6 +29,21 @@ def result_rows(dataset: str, results: dict, mode: str) -> list[dict]:
     ]
 
 
+def tune_fusion(model: GenerativeRecommender, data, checkpoint, options: DecodeOptions) -> float:
+    """Pick the fused order's ranker weight on the validation split (NDCG@10, seen items
+    included) and save it into the checkpoint's config."""
+    best, table = tune_fusion_weight(model, data, options)
+    for w, m in table.items():
+        print(f"  valid fused@{w:g}: " + " ".join(f"{k}={m[k]:.4f}" for k in ("recall@5", "ndcg@5", "recall@10", "ndcg@10"))
+              + ("  <- chosen" if w == best else ""))
+    model.cfg.rank_fusion_weight = float(best)
+    metadata = dict(getattr(model, "metadata", {}))
+    metadata["rank_fusion_valid"] = {f"{w:g}": m for w, m in table.items()}
+    model.save(checkpoint, metadata)
+    model.metadata = metadata
+    return best
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", required=True)
@@ -37,10 +54,14 @@ def main(argv=None):
     p.add_argument("--k", type=int, default=256)
     p.add_argument("--max-users", type=int)
     p.add_argument("--out")
+    p.add_argument("--tune-fusion", action="store_true",
+                   help="first choose the fused order's ranker weight on the validation split, saved into the checkpoint")
     args = p.parse_args(argv)
     model = GenerativeRecommender.load(args.checkpoint)
     data = load_dataset(args.data)
     opts = DecodeOptions(mode=args.mode, beam_width=args.beam, k=args.k)
+    if args.tune_fusion:
+        tune_fusion(model, data, args.checkpoint, opts)
     res = evaluate(model, data, args.split, opts, max_users=args.max_users)
     rows = result_rows(data.name, res, args.mode)
     if args.out:

@@ -11,6 +11,7 @@ import argparse
 import json
 from pathlib import Path
 
+import numpy as np
 
 from backend_src.config import DecodeOptions, ModelConfig, TrainConfig
 from backend_src.data.loaders import load_dataset
@@ -18,7 +19,7 @@ from backend_src.evaluation import evaluate
 from backend_src.model.recommender import GenerativeRecommender
 from backend_src.results import write_result
 from backend_src.training import build_model, train
-from export.evaluate import result_rows
+from export.evaluate import result_rows, tune_fusion
 
 # Sizes that fit each data set on 2 CPU cores (overridable by flags).
 PRESETS = {
@@ -44,12 +45,14 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--lr-schedule", choices=["constant", "cosine"], default="constant",
                    help="cosine: decay the learning rate to 5%% over the time budget (or the epochs)")
+    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW decoupled weight decay")
     p.add_argument("--dropout", type=float, default=0.2)
     p.add_argument("--alpha", type=float, default=2.0, help="stochastic length alpha (2 = off)")
     p.add_argument("--shared-kv", action="store_true", help="PFA ablation: one K/V projection for all steps")
     p.add_argument("--ranker-weight", type=float, default=1.0)
     p.add_argument("--dense-weight", type=float, default=1.0)
-    p.add_argument("--valid-users", type=int, default=2000, help="users in the per-epoch validation check")
+    p.add_argument("--valid-users", type=int, default=2000,
+                   help="users in the per-epoch validation check (a fixed random sample)")
     p.add_argument("--test-users", type=int, default=None, help="limit the final test evaluation")
     p.add_argument("--max-users", type=int, default=None, help="load only the first N users")
     p.add_argument("--beam", type=int, default=100)
@@ -77,6 +80,7 @@ def main(argv=None):
         batch_size=args.batch_size,
         lr=args.lr,
         lr_schedule=args.lr_schedule,
+        weight_decay=args.weight_decay,
         stochastic_length_alpha=args.alpha,
         ranker_weight=args.ranker_weight,
         seed=args.seed,
@@ -88,15 +92,21 @@ def main(argv=None):
     print(f"parameters: {sum(p.numel() for p in model.parameters()):,}")
     valid_opts = DecodeOptions(mode="full", beam_width=min(args.beam, 50))
 
+    # a fixed random sample: the first users of a file are often not typical (Beauty's are harder)
+    valid_users = np.sort(np.random.default_rng(args.seed).permutation(data.num_users)[: args.valid_users])
+
     def valid_metric(m):
-        r = evaluate(m, data, "valid", valid_opts, max_users=args.valid_users, progress=False)
+        r = evaluate(m, data, "valid", valid_opts, users=valid_users, progress=False)
         summary = {k: round(v["ndcg@10"], 4) for k, v in r.items() if k.endswith("seen_included")}
         print("  valid ndcg@10:", json.dumps(summary))
         return max(r["retrieval/seen_included"]["ndcg@10"], r["ranked/seen_included"]["ndcg@10"])
 
     state = train(model, data, tcfg, minutes=args.minutes, evaluate_fn=valid_metric, checkpoint_path=args.out)
     best = GenerativeRecommender.load(args.out)
-    test = evaluate(best, data, "test", DecodeOptions(mode="pfa", beam_width=args.beam), max_users=args.test_users)
+    test_opts = DecodeOptions(mode="pfa", beam_width=args.beam)
+    if args.ranker_weight > 0:
+        print(f"rank fusion weight (validation): {tune_fusion(best, data, args.out, test_opts):g}")
+    test = evaluate(best, data, "test", test_opts, max_users=args.test_users)
     rows = result_rows(data.name, test, "pfa")
     out = Path(args.results or Path(args.out).with_suffix(".results.json"))
     write_result(

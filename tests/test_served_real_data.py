@@ -27,6 +27,7 @@ def real(tmp_path_factory, data_dir):
     cfg = ModelConfig(num_items=data.num_items, d_model=16, num_layers=2, num_heads=2, max_seq_len=40,
                       codebook_sizes=(8, 8, 8, 1), dropout=0.0)
     model = build_model(data, cfg, embedding_dim=16).eval()
+    model.cfg.rank_fusion_weight = 0.37  # the served fused order must take the checkpoint's weight
     tmp = tmp_path_factory.mktemp("real")
     ckpt = tmp / "ml100k.pt"
     model.save(ckpt)

@@ -23,6 +23,13 @@ from backend_src.model.semantic_ids import SemanticIdCodebook
 CHECKPOINT_FORMAT = 1
 
 
+def fuse(rank_scores: torch.Tensor, log_probs: torch.Tensor, weight: float) -> torch.Tensor:
+    """The fused order's score, weight * M-FALCON logit + retrieval log-probability (a product
+    of the two experts); a candidate the ranker scores -inf (an empty slot) stays -inf."""
+    fused = log_probs + weight * rank_scores if weight else log_probs.clone()
+    return fused.masked_fill(rank_scores == float("-inf"), float("-inf"))
+
+
 @dataclass
 class Recommendations:
     items: torch.Tensor  # [B, K] item index (0 = empty slot)
@@ -122,13 +129,13 @@ class GenerativeRecommender(nn.Module):
     ) -> Recommendations:
         """Retrieve beam_width candidates by semantic-ID beam search, rank them with M-FALCON
         against the same cached history, return the top_k by ranking score ("ranker": the
-        M-FALCON logit; "fused": logit + retrieval log-probability)."""
+        M-FALCON logit; "fused": cfg.rank_fusion_weight * logit + retrieval log-probability)."""
         if rank_by not in ("ranker", "fused"):
             raise ValueError(f"rank_by must be 'ranker' or 'fused', got {rank_by!r}")
         beams = self.retrieve(cache, options)
         scores = self.rank(cache, beams.item_ids, microbatch_size)  # [B, W]; -inf for empty beams
         if rank_by == "fused":
-            scores = scores + beams.log_probs
+            scores = fuse(scores, beams.log_probs, self.cfg.rank_fusion_weight)
         if exclude_seen:
             if history_items is None:
                 raise ValueError("exclude_seen needs history_items")

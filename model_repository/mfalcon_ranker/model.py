@@ -30,11 +30,11 @@ class TritonPythonModel:
             sys.path.insert(0, root)
         import torch
 
-        from backend_src.model.recommender import GenerativeRecommender
+        from backend_src.model.recommender import GenerativeRecommender, fuse
         from backend_src.serving import protocol as P
         from backend_src.serving import validation as V
 
-        self.torch, self.P, self.V = torch, P, V
+        self.torch, self.P, self.V, self.fuse = torch, P, V, fuse
         torch.set_num_threads(int(params.get("torch_threads", 1)))
         vdir = Path(args["model_repository"]) / args["model_version"]
         self.model = GenerativeRecommender.load(vdir / "model.pt")
@@ -88,8 +88,9 @@ class TritonPythonModel:
         cands = pad([torch.from_numpy(r[3]).clamp(min=0) for r in reqs], batch_first=True)  # [B, M]; 0 = none, scored -inf
         with torch.inference_mode():
             scores = torch.as_tensor(self.runtime.score(keys, values, ts, lengths, cands, self.microbatch)).float().cpu()
-        if self.rank_by == "fused":  # ranker logit + retrieval log-probability
-            scores = scores + pad([torch.from_numpy(r[4]).float() for r in reqs], batch_first=True, padding_value=float("-inf"))
+        if self.rank_by == "fused":  # weighted ranker logit + retrieval log-probability
+            log_probs = pad([torch.from_numpy(r[4]).float() for r in reqs], batch_first=True, padding_value=float("-inf"))
+            scores = self.fuse(scores, log_probs, self.model.cfg.rank_fusion_weight)
         return scores.masked_fill(cands == 0, float("-inf"))
 
     def execute(self, requests):
