@@ -85,10 +85,10 @@ FUSION_GRID = (0.0, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0)
 
 
 def tune_fusion_weight(model, data, options: DecodeOptions | None = None, weights=FUSION_GRID,
-                       metric: str = "ndcg@10", users=None, progress: bool = True) -> tuple[float, dict]:
+                       metric: str = "ndcg@10", progress: bool = True) -> tuple[float, dict]:
     """The ranker weight of the fused order with the best validation `metric` (seen items
     included), and every weight's validation metrics. Never looks at the test split."""
-    res = evaluate(model, data, "valid", options, users=users, dense=False, fusion_weights=weights, progress=progress)
+    res = evaluate(model, data, "valid", options, dense=False, fusion_weights=weights, progress=progress)
     table = {w: res[f"fused@{w:g}/seen_included"] for w in weights}
     best = max(weights, key=lambda w: (table[w][metric], -abs(w - 1.0)))  # ties: the plain sum
     return best, table

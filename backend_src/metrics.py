@@ -10,6 +10,8 @@ from typing import Dict, Iterable, Optional
 
 import torch
 
+METRIC_NAMES = ("recall@5", "ndcg@5", "recall@10", "ndcg@10")  # what the default ks=(5, 10) reports, in order
+
 
 def topk_full_catalog(
     scores: torch.Tensor,  # [B, I+1] a score for every item index (column 0 = padding)

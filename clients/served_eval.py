@@ -25,7 +25,7 @@ import torch
 
 from backend_src.config import DecodeOptions
 from backend_src.data import eval_batches, load_dataset
-from backend_src.metrics import ranking_metrics
+from backend_src.metrics import METRIC_NAMES, ranking_metrics
 from backend_src.model.recommender import GenerativeRecommender
 from backend_src.results import REPO_ROOT, markdown_table, write_result
 from clients.client import RecommenderClient
@@ -163,7 +163,7 @@ def main(argv=None) -> int:
     write_result(out, rows, checkpoint=str(a.checkpoint), data=data.name, users=res["users"], decode=vars(options), top_k=a.top_k,
                  same_list_fraction=res["same_list_fraction"], different_users=res["different_users"],
                  served_latency_ms=res["served_latency_ms"], served_seconds=res["served_seconds"], offline_seconds=res["offline_seconds"])
-    print(markdown_table(rows, ["path", "recall@5", "ndcg@5", "recall@10", "ndcg@10"]))
+    print(markdown_table(rows, ["path", *METRIC_NAMES]))
     print(f"{res['users']} users; served list == offline list for {round(res['same_list_fraction'] * res['users'])} "
           f"({res['same_list_fraction']:.3%}); "
           f"served p50 {res['served_latency_ms']['p50']:.1f} ms; result: {out}")

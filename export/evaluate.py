@@ -16,6 +16,7 @@ import argparse
 from backend_src.config import DecodeOptions
 from backend_src.data.loaders import load_dataset
 from backend_src.evaluation import evaluate, tune_fusion_weight
+from backend_src.metrics import METRIC_NAMES
 from backend_src.model.recommender import GenerativeRecommender
 from backend_src.results import markdown_table, write_result
 
@@ -34,8 +35,8 @@ def tune_fusion(model: GenerativeRecommender, data, checkpoint, options: DecodeO
     included) and save it into the checkpoint's config."""
     best, table = tune_fusion_weight(model, data, options)
     for w, m in table.items():
-        print(f"  valid fused@{w:g}: " + " ".join(f"{k}={m[k]:.4f}" for k in ("recall@5", "ndcg@5", "recall@10", "ndcg@10"))
-              + ("  <- chosen" if w == best else ""))
+        scores = " ".join(f"{k}={m[k]:.4f}" for k in METRIC_NAMES)
+        print(f"  valid fused@{w:g}: {scores}" + ("  <- chosen" if w == best else ""))
     model.cfg.rank_fusion_weight = float(best)
     metadata = dict(getattr(model, "metadata", {}))
     metadata["rank_fusion_valid"] = {f"{w:g}": m for w, m in table.items()}
@@ -67,7 +68,7 @@ def main(argv=None):
     if args.out:
         write_result(args.out, rows, checkpoint=args.checkpoint, checkpoint_metadata=getattr(model, "metadata", {}),
                      config=model.cfg.to_dict(), split=args.split, options=vars(opts), timing=res["timing"])
-    print(markdown_table(rows, ["model", "seen_excluded", "recall@5", "ndcg@5", "recall@10", "ndcg@10"]))
+    print(markdown_table(rows, ["model", "seen_excluded", *METRIC_NAMES]))
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import numpy as np
 from backend_src.config import DecodeOptions, ModelConfig, TrainConfig
 from backend_src.data.loaders import load_dataset
 from backend_src.evaluation import evaluate
+from backend_src.metrics import METRIC_NAMES
 from backend_src.model.recommender import GenerativeRecommender
 from backend_src.results import write_result
 from backend_src.training import build_model, train
@@ -115,7 +116,7 @@ def main(argv=None):
     )
     for r in rows:
         print(f"{r['model']:>18} seen_excluded={r['seen_excluded']!s:5} "
-              + " ".join(f"{k}={r[k]:.4f}" for k in ("recall@5", "ndcg@5", "recall@10", "ndcg@10")))
+              + " ".join(f"{k}={r[k]:.4f}" for k in METRIC_NAMES))
     print(f"results: {out}")
 
 

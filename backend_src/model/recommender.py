@@ -26,7 +26,7 @@ CHECKPOINT_FORMAT = 1
 def fuse(rank_scores: torch.Tensor, log_probs: torch.Tensor, weight: float) -> torch.Tensor:
     """The fused order's score, weight * M-FALCON logit + retrieval log-probability (a product
     of the two experts); a candidate the ranker scores -inf (an empty slot) stays -inf."""
-    fused = log_probs + weight * rank_scores if weight else log_probs.clone()
+    fused = log_probs + weight * rank_scores if weight else log_probs
     return fused.masked_fill(rank_scores == float("-inf"), float("-inf"))
 
 

@@ -8,12 +8,12 @@ are handed to the reference.
 
 Decode attention (seed 000) is one program per (user, head, block of beams): the beams of a user
 share one K/V block, so each key tile is loaded once and multiplied against all beams of the block
-with ``tl.dot``; an online softmax runs over key tiles up to ``lengths[b]`` (the PFA prefix
-budget), so a shorter budget reads fewer rows. The selections score the history with the same
-tiles: PFA pools every beam's head-mean weight into one score per row; dynamic top-k keeps each
-beam's own weights and then masks every beam's rows by its k-th weight in one dense pass. HSTU attention (seed 001) is one program per
-(batch, head, block of queries) with the relative position / time bias and the M-FALCON mask
-computed in the kernel.
+with ``tl.dot``; an online softmax runs over key tiles up to ``lengths[b]`` (the PFA prefix budget),
+so a shorter budget reads fewer rows. The selections score the history with the same tiles: PFA
+pools every beam's head-mean weight into one score per row; dynamic top-k keeps each beam's own
+weights and then masks every beam's rows by its k-th weight in one dense pass. HSTU attention (seed
+001) is one program per (batch, head, block of queries) with the relative position / time bias and
+the M-FALCON mask computed in the kernel.
 """
 from __future__ import annotations
 
