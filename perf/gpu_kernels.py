@@ -17,6 +17,7 @@ script itself (timings then mean nothing).
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import math
@@ -67,6 +68,11 @@ def parse_args(argv=None):
     p.add_argument("--rep-ms", type=float, default=100.0, help="timed milliseconds per measurement")
     p.add_argument("--no-reference-timing", action="store_true", help="time the kernels only")
     p.add_argument("--skip-hstu", action="store_true")
+    p.add_argument("--no-hstu-profile", action="store_true",
+                   help="skip timing the HSTU kernel per tile shape and without its biases")
+    p.add_argument("--baseline-kernels", type=Path, default=None,
+                   help="another version of backend_src/ops/triton_kernels.py whose hstu_attention is "
+                        "checked and timed beside this one (side by side in one run)")
     p.add_argument("--skip-decode", action="store_true")
     p.add_argument("--peak-bw", type=float, default=None,
                    help="device memory bandwidth in bytes/s (default: from the device, else 4.8e12)")
@@ -299,7 +305,7 @@ def bench_decode(torch, R, K, timer, args, cfg, dtype, dev, info) -> dict:
 # --------------------------------------------------------------------------------------------
 # HSTU attention (seed 001)
 # --------------------------------------------------------------------------------------------
-def bench_hstu(torch, R, K, timer, args, cfg, dtype, dev, info) -> dict:
+def bench_hstu(torch, R, K, timer, args, cfg, dtype, dev, info, baseline=None) -> dict:
     B, H, d, N, M = cfg
     g = torch.Generator(device=dev).manual_seed(args.seed + 1)
     esize = torch.finfo(dtype).bits // 8
@@ -332,27 +338,47 @@ def bench_hstu(torch, R, K, timer, args, cfg, dtype, dev, info) -> dict:
     ref_bytes = B * n_q * n_k * (H * 4 * 6 + 8 * 4)
     free = torch.cuda.mem_get_info()[0] if dev != "cpu" else 1 << 40
     run_ref = ref_bytes < 0.6 * free
-    out = K.hstu_attention(*call_args, *extra)
+    ref = None
     if run_ref:
         ref = R.hstu_attention(*(t.float() for t in call_args[:3]), *call_args[3:], pb.float(), tb.float(),
                                *extra[2:])
-        err = max_err(out, ref)
-        scale = float(ref.abs().max()) or 1.0
-        res["checks"] = {"max_abs_err": err, "ref_max_abs": scale,
-                         "ok": bool(err <= tolerance(args.dtype) * max(1.0, scale))}
-        del ref
-    else:
-        res["checks"] = {"ok": True, "note": f"reference skipped (needs ~{ref_bytes / 2**30:.0f} GiB)"}
+
+    def check(out) -> dict:
+        if ref is None:
+            return {"ok": True, "note": f"reference skipped (needs ~{ref_bytes / 2**30:.0f} GiB)"}
+        err, scale = max_err(out, ref), float(ref.abs().max()) or 1.0
+        return {"max_abs_err": err, "ref_max_abs": scale, "ok": bool(err <= tolerance(args.dtype) * max(1.0, scale))}
+
     nbytes = esize * (B * n_q * H * d * 2 + B * n_k * H * d * 2) + 8 * B * (2 * n_q + 2 * n_k)
     flops = 4 * pairs * H * d
+    fp_peak = info["peak_flops"]["fp32" if args.dtype == "fp32" else "tensor_fp16"]
+
+    def rates(t_ms: float) -> dict:
+        return {"ms": t_ms, "tflops": flops / t_ms / 1e9, "flop_frac": (flops / (t_ms * 1e-3) / fp_peak) if fp_peak else None}
+
+    res["checks"] = check(K.hstu_attention(*call_args, *extra))
     t_k = timer(lambda: K.hstu_attention(*call_args, *extra))
     t_r = timer(lambda: R.hstu_attention(*call_args, *extra)) if run_ref and not args.no_reference_timing else None
-    fp_peak = info["peak_flops"]["fp32" if args.dtype == "fp32" else "tensor_fp16"]
     res["timing"] = {
         "triton_ms": t_k, "torch_ms": t_r, "speedup": (t_r / t_k) if t_r else None,
         "bytes": nbytes, "triton_tb_s": nbytes / t_k / 1e9, "bw_frac": nbytes / (t_k * 1e-3) / info["peak_bw"],
         "triton_tflops": flops / t_k / 1e9, "flop_frac": (flops / (t_k * 1e-3) / fp_peak) if fp_peak else None,
     }
+    if baseline is not None:  # another version of the kernels, side by side
+        res["baseline"] = {**rates(timer(lambda: baseline.hstu_attention(*call_args, *extra))),
+                           "checks": check(baseline.hstu_attention(*call_args, *extra))}
+    if not args.no_hstu_profile:
+        # every tile shape the autotuner chooses from, then the best one without the time bias and
+        # without both biases: what each part of the kernel costs
+        tiles = {}
+        for tile in K.HSTU_TILES:
+            launch = lambda tile=tile: K._launch_hstu(*call_args, *extra, tiles=tile)  # noqa: E731
+            tiles["x".join(map(str, tile))] = {**rates(timer(launch)), "checks": check(launch())}
+        best = min(tiles, key=lambda name: tiles[name]["ms"])
+        tile = tuple(int(x) for x in best.split("x"))
+        parts = {f"biases={n}": rates(timer(lambda n=n: K._launch_hstu(*call_args, *extra, tiles=tile, biases=n)))
+                 for n in (1, 0)}
+        res["profile"] = {"tiles": tiles, "best": best, "parts_at_best": parts}
     return res
 
 
@@ -422,6 +448,30 @@ def markdown(report: dict) -> str:
                          f"{_f(t['triton_tflops'], '.1f')} | "
                          f"{_f(100 * t['flop_frac'] if t['flop_frac'] is not None else None, '.1f')} | "
                          f"{r['checks']['ok']} |")
+    profiled = [r for r in report["hstu"] if "profile" in r or "baseline" in r]
+    if profiled:
+        tiles = list(next((r["profile"]["tiles"] for r in profiled if "profile" in r), {}))
+        lines += ["", "## HSTU kernel profile (ms; TFLOP/s in brackets)", "",
+                  "Each tile shape the autotuner chooses from (BLOCK_M x BLOCK_N x warps x stages), the best one "
+                  "with only the position bias and with no bias (what the biases cost), and the baseline "
+                  f"kernels ({report['args'].get('baseline_kernels') or 'none'}) on the same inputs.", "",
+                  "| batch | heads | d | N | cand. | " + " | ".join(tiles) + " | best | pos. bias only | no bias | "
+                  "op (autotuned) | baseline | op vs baseline |",
+                  "|" + "---|" * (5 + len(tiles) + 6)]
+        for r in profiled:
+            c, pr = r["config"], r.get("profile", {})
+
+            def cell(x):
+                ok = "" if x.get("checks", {}).get("ok", True) else " FAIL"
+                return f"{x['ms']:.3f} ({x['tflops']:.0f}){ok}"
+            row = [str(c[k]) for k in ("batch", "heads", "head_dim", "history", "candidates")]
+            row += [cell(pr["tiles"][t]) if t in pr.get("tiles", {}) else "-" for t in tiles]
+            parts = pr.get("parts_at_best", {})
+            row += [pr.get("best", "-"), cell(parts["biases=1"]) if parts else "-",
+                    cell(parts["biases=0"]) if parts else "-", f"{r['timing']['triton_ms']:.3f}"]
+            b = r.get("baseline")
+            row += [cell(b), f"{b['ms'] / r['timing']['triton_ms']:.2f}x"] if b else ["-", "-"]
+            lines.append("| " + " | ".join(row) + " |")
     lines += ["", "Bytes count what an op must move at least (queries, the valid K/V rows, kept rows, "
               "outputs); PFA scoring reads K twice (statistics, then weights), so its fraction is a lower bound. "
               "Where N <= k the selection keeps every row, so PFA cannot beat full attention there.",
@@ -450,6 +500,13 @@ def main(argv=None) -> int:
     from backend_src.ops import reference as R
     from backend_src.ops import triton_kernels as K
     from backend_src.results import git_commit
+
+    baseline = None
+    if args.baseline_kernels is not None:  # a module of its own, beside ours
+        import importlib.util
+        spec = importlib.util.spec_from_file_location("baseline_triton_kernels", args.baseline_kernels)
+        baseline = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(baseline)
 
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     dev = "cpu" if args.cpu_smoke else "cuda"
@@ -507,7 +564,7 @@ def main(argv=None) -> int:
                           f"dyn/pfa={d.get('dynamic_topk_over_pfa', 0):.2f} ({time.time() - t0:.0f}s)", flush=True)
         if not args.skip_hstu:
             for cfg in HSTU_PRESETS[preset]:
-                r = run("hstu", bench_hstu, cfg)
+                r = run("hstu", functools.partial(bench_hstu, baseline=baseline), cfg)
                 if "error" not in r:
                     print(f"hstu {cfg}: ok={r['checks']['ok']} triton {r['timing']['triton_ms']:.3f} ms "
                           f"torch {_f(r['timing']['torch_ms'])} ms ({time.time() - t0:.0f}s)", flush=True)

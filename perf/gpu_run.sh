@@ -3,11 +3,13 @@
 #   bash perf/gpu_run.sh [OUT_DIR]        (default perf/results/gpu; PRESET=quick for a short run)
 # 1. perf/gpu_kernels.py: each Triton kernel checked against the torch reference, then timed
 #    (bandwidth against the device peak and a measured copy) and the attention-only decode ratios;
+#    the HSTU kernel also per tile shape and without its biases (its profile);
 # 2. the whole semantic-ID decode (perf.bench_decode) on the GPU, ops on the Triton kernels, then
 #    with the ops forced to the torch reference; each timed eager (Python launching every op, as
 #    served) and as CUDA-graph replays (the GPU's own work);
 # 3. M-FALCON ranking (perf.bench_ranking) and history caching (perf.bench_caching) on the GPU.
-# GENREC_COMMIT names the commit in the result files when the tree was copied without its history.
+# GENREC_COMMIT names the commit in the result files when the tree was copied without its history;
+# BASELINE_KERNELS (a file: another version of backend_src/ops/triton_kernels.py) is timed beside ours.
 # Each step has its own time limit and writes its results as it goes, so one failing or slow step
 # leaves the others' results. Everything printed also goes to OUT_DIR/run.log.
 set -u
@@ -31,7 +33,8 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem,tem
     --format=csv || true
 $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(0))"
 
-step "${KERNELS_LIMIT:-240}" kernels $PY perf/gpu_kernels.py --preset "${PRESET:-default}" --out "$out"
+step "${KERNELS_LIMIT:-300}" kernels $PY perf/gpu_kernels.py --preset "${PRESET:-default}" --out "$out" \
+    ${BASELINE_KERNELS:+--baseline-kernels "$BASELINE_KERNELS"}
 decode=(-m perf.bench_decode --device cuda --users 512 512 128 --max-seconds 15)
 step 100 decode-triton-ops $PY "${decode[@]}" --reps 9 --out "$out"
 step 100 decode-triton-ops-graphs $PY "${decode[@]}" --cuda-graphs --reps 15 --out "$out/graphs"

@@ -10,6 +10,7 @@ through the dispatcher), except in the one test that checks the dispatcher's rou
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import subprocess
 import sys
@@ -316,12 +317,28 @@ def test_hstu_attention_several_query_blocks(shuffle):
 
 
 def test_time_bucket_thresholds_match_reference():
+    """thr[t] is the first float32 whose reference bucket is t: the float just below it is in t - 1."""
     for T, base in [(64, 1.6), (20, 2.0), (8, 10.0)]:
         thr = K._bucket_thresholds_cpu(T, base)
+        assert thr.dtype == torch.float32 and thr[0] == 0 and thr[-1] == math.inf
         inner = thr[1:-1]
-        reach = inner < torch.iinfo(torch.int64).max
+        reach = torch.isfinite(inner)
+        assert reach.any()
+        below = torch.nextafter(inner[reach], torch.tensor(0.0))
         assert torch.equal(R.time_bucket(inner[reach], T, base), torch.arange(1, T)[reach])
-        assert torch.equal(R.time_bucket(inner[reach] - 1, T, base), torch.arange(0, T - 1)[reach])
+        assert torch.equal(R.time_bucket(below, T, base), torch.arange(0, T - 1)[reach])
+
+
+def test_hstu_time_buckets_exact_for_large_timestamps():
+    """Epoch-second timestamps and gaps beyond float32's exact integers: same buckets as the reference."""
+    B, N, H, d = 1, 24, 1, 16
+    q, k, v, pos, _, _, _, nh, q_self = _history_case(B, N, H, d, d, [N], torch.float32, seed=22)
+    g = torch.Generator().manual_seed(23)
+    ts = 1_700_000_000 + torch.cumsum(torch.randint(0, 1 << 27, (B, N), generator=g), 1)
+    tb = torch.randn(H, 64, generator=g) * 3  # large time bias: a wrong bucket shows
+    pb = torch.zeros(H, 16)
+    args = (q, k, v, pos, pos, ts, ts, nh, q_self, pb, tb, 1.6, d ** -0.5, float(N))
+    _close(K.hstu_attention(*args), R.hstu_attention(*args), TOL[torch.float32])
 
 
 # --------------------------------------------------------------------------------------------

@@ -49,9 +49,9 @@ def _load_compilable_kernels():
 K = _load_compilable_kernels() if IN_PROCESS else None
 
 # pointer arguments that hold integer indices / lengths / positions / timestamps
-INT_PTRS = {"len_ptr", "idx_ptr", "qpos_ptr", "kpos_ptr", "qts_ptr", "kts_ptr", "nh_ptr", "qself_ptr", "thr_ptr"}
+INT_PTRS = {"len_ptr", "idx_ptr", "qpos_ptr", "kpos_ptr", "qts_ptr", "kts_ptr", "nh_ptr", "qself_ptr"}
 FLOAT_SCALARS = {"qk_scale", "inv_heads", "scale", "inv_norm", "inv_log2_base"}
-FP32_PTRS = {"_pfa_scores_kernel": {"out_ptr"}, "_beam_head_mean_kernel": {"stat_ptr", "out_ptr"}, "_hstu_attention_kernel": {"pb_ptr", "tb_ptr"},
+FP32_PTRS = {"_pfa_scores_kernel": {"out_ptr"}, "_beam_head_mean_kernel": {"stat_ptr", "out_ptr"}, "_hstu_attention_kernel": {"pb_ptr", "tb_ptr", "thr_ptr"},
              "_decode_attention_kernel": {"sel_ptr", "tau_ptr"}}
 
 
@@ -100,9 +100,14 @@ CASES = [
      lambda dt: dict(BLOCK_W=64, BLOCK_N=64, BLOCK_D=64, DOT_PRECISION=_precision(dt))),
     ("_gather_rows_kernel", "rows", lambda dt: dict(BLOCK_J=8, BLOCK_F=512)),
     ("_hstu_attention_kernel", "d32",
-     lambda dt: dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=32, BLOCK_DV=32, DOT_PRECISION=_precision(dt))),
-    ("_hstu_attention_kernel", "d16_dv64",
-     lambda dt: dict(BLOCK_M=16, BLOCK_N=16, BLOCK_D=16, BLOCK_DV=64, DOT_PRECISION=_precision(dt))),
+     lambda dt: dict(D=32, DV=32, BLOCK_M=64, BLOCK_N=64, BLOCK_D=32, BLOCK_DV=32, DOT_PRECISION=_precision(dt),
+                     BIASES=2)),
+    ("_hstu_attention_kernel", "d16_dv48",
+     lambda dt: dict(D=16, DV=48, BLOCK_M=16, BLOCK_N=16, BLOCK_D=16, BLOCK_DV=64, DOT_PRECISION=_precision(dt),
+                     BIASES=2)),
+    ("_hstu_attention_kernel", "no_bias_d64",  # the efficiency profile's variant
+     lambda dt: dict(D=64, DV=64, BLOCK_M=128, BLOCK_N=32, BLOCK_D=64, BLOCK_DV=64, DOT_PRECISION=_precision(dt),
+                     BIASES=0)),
 ]
 
 

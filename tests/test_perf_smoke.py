@@ -118,3 +118,24 @@ def test_report_gpu_section(results, tmp_path):
     assert sum(line.startswith(("| Triton kernels", "| torch reference")) for line in section.splitlines()) \
         == 3 * len(histories)
     assert "### Ranking on the GPU" in section and "### Caching on the GPU" in section
+
+
+def test_gpu_kernels_script_cpu_smoke(tmp_path):
+    """The GPU benchmark script itself (checks, HSTU profile per tile, a baseline kernels file
+    beside ours, the Markdown) on tiny shapes through Triton's CPU interpreter, so that a GPU run
+    is not spent finding a script error. Here the baseline is our own file."""
+    pytest.importorskip("triton")
+    kernels = REPO_ROOT / "backend_src" / "ops" / "triton_kernels.py"
+    subprocess.run(
+        [sys.executable, "perf/gpu_kernels.py", "--cpu-smoke", "--out", str(tmp_path),
+         "--baseline-kernels", str(kernels)],
+        cwd=REPO_ROOT, check=True, capture_output=True, text=True, timeout=600,
+    )
+    report = json.loads((tmp_path / "gpu_kernels.json").read_text())
+    assert report["all_ok"] and report["decode"] and report["hstu"]
+    for r in report["hstu"]:
+        profile = r["profile"]
+        assert len(profile["tiles"]) >= 2 and all(t["checks"]["ok"] for t in profile["tiles"].values())
+        assert set(profile["parts_at_best"]) == {"biases=1", "biases=0"}
+        assert r["baseline"]["checks"]["ok"]
+    assert "## HSTU kernel profile" in (tmp_path / "gpu_kernels.md").read_text()

@@ -500,22 +500,25 @@ def gather_rows(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=None)
 def _bucket_thresholds_cpu(num_buckets: int, base: float) -> torch.Tensor:
-    """thr[t] = smallest |dt| whose reference time bucket is >= t (thr[0] = 0, thr[T] = int64 max).
+    """thr[t] = smallest float32 x >= 0 whose reference time bucket is >= t (thr[0] = 0, thr[T] = inf).
 
-    The kernel takes floor(log2(1+|dt|) / log2(base)) in fp32 and corrects it by one bucket with
-    these integer thresholds, so its buckets equal the reference's exactly, boundaries included."""
-    big = torch.iinfo(torch.int64).max
+    The reference buckets |dt| after rounding it to float32, so its bucket is a step function of
+    that float. The kernel estimates floor(log2(1+x) / log2(base)) with fast fp32 math and corrects
+    it by one bucket with these float thresholds, so its buckets equal the reference's exactly,
+    boundaries included, and every per-pair value stays in 32-bit registers."""
     t = torch.arange(1, num_buckets, dtype=torch.int64)
-    lo = torch.zeros_like(t)  # bucket(lo) < t (bucket(0) = 0)
-    hi = torch.full_like(t, 1 << 62)
-    reachable = reference.time_bucket(hi, num_buckets, base) >= t
-    for _ in range(63):  # binary search per threshold; invariant bucket(hi) >= t where reachable
+    # non-negative floats sort as their int32 bit patterns: binary search over the patterns
+    lo = torch.full_like(t, -1)  # bucket(float(lo)) < t (pattern -1 stands for "below 0")
+    hi = torch.full_like(t, 0x7F7FFFFF)  # float32 max
+    as_float = lambda bits: bits.to(torch.int32).view(torch.float32)  # noqa: E731
+    reachable = reference.time_bucket(as_float(hi), num_buckets, base) >= t
+    for _ in range(32):  # invariant: bucket(hi) >= t where reachable
         mid = lo + (hi - lo) // 2
-        up = reference.time_bucket(mid, num_buckets, base) >= t
+        up = reference.time_bucket(as_float(mid.clamp(min=0)), num_buckets, base) >= t
         hi = torch.where(up, mid, hi)
         lo = torch.where(up, lo, mid)
-    thr = torch.where(reachable, hi, torch.full_like(hi, big))
-    return torch.cat([torch.zeros(1, dtype=torch.int64), thr, torch.full((1,), big, dtype=torch.int64)])
+    thr = torch.where(reachable, as_float(hi), torch.full((num_buckets - 1,), math.inf))
+    return torch.cat([torch.zeros(1), thr, torch.full((1,), math.inf)])
 
 
 _THRESHOLDS: dict = {}
@@ -530,19 +533,51 @@ def _bucket_thresholds(num_buckets: int, base: float, device: torch.device) -> t
 
 @triton.jit
 def _time_bucket(dt_abs, thr_ptr, T, inv_log2_base):
-    """Reference time bucket of integer |dt|: fp32 log estimate, then an exact one-step fix."""
-    est = tl.floor(tl.log2(1.0 + dt_abs.to(tl.float32)) * inv_log2_base)
+    """Reference time bucket of float32 |dt|: a fast log estimate L lowered by a margin larger than
+    its error and the reference's rounding (both ~1e-6 relative), so it is the bucket or the one
+    below; one threshold lookup then decides exactly."""
+    est = tl.floor(tl.log2(1.0 + dt_abs) * inv_log2_base * (1.0 - 1.0e-5) - 1.0e-3)
     bkt = tl.minimum(tl.maximum(est, 0.0), T - 1).to(tl.int32)
-    bkt = tl.where(dt_abs >= tl.load(thr_ptr + bkt + 1), bkt + 1, bkt)
-    bkt = tl.where(dt_abs < tl.load(thr_ptr + bkt), bkt - 1, bkt)
-    return bkt
+    return tl.where(dt_abs >= tl.load(thr_ptr + bkt + 1), bkt + 1, bkt)
+
+
+@triton.jit
+def _hstu_tile(acc, q, qp, qt, rows, row_ok, allowed, k_off, v_off,
+               k_ptr, v_ptr, kpos_ptr, kts_ptr, pb_base, tb_base, thr_ptr,
+               sk_n, sk_d, sv_n, sv_d, skp_n, skt_n, spb_p, stb_t, P, T,
+               scale, inv_log2_base, offs_d, d_mask, offs_dv, dv_mask,
+               DOT_PRECISION: tl.constexpr, BIASES: tl.constexpr, CAUSAL: tl.constexpr):
+    """acc += (allowed & causal) silu(scale q k_rows^T + biases) @ v_rows for one key tile.
+    q [BM, BD]; rows/row_ok [BN]: key indices and which exist; allowed [BM, BN] or broadcastable."""
+    kp = tl.load(kpos_ptr + rows * skp_n, mask=row_ok, other=0).to(tl.int32)
+    k = tl.load(k_ptr + k_off + rows[:, None] * sk_n + offs_d[None, :] * sk_d,
+                mask=row_ok[:, None] & d_mask[None, :], other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [BM, BN]
+    if BIASES >= 1:
+        rel = tl.minimum(tl.maximum(qp[:, None] - kp[None, :], 0), P - 1)
+        s += tl.load(pb_base + rel * spb_p).to(tl.float32)
+    if BIASES >= 2:
+        kt = tl.load(kts_ptr + rows * skt_n, mask=row_ok, other=0)
+        dt = (qt[:, None] - kt[None, :]).to(tl.float32)  # int64 difference, then rounded
+        bkt = _time_bucket(tl.abs(dt), thr_ptr, T, inv_log2_base)
+        s += tl.load(tb_base + bkt * stb_t).to(tl.float32)
+    # silu with the approximate reciprocal (2 ulp): the IEEE division was a third of the tile's
+    # instructions; 1/N is applied once to the output
+    a = tl.fdiv(s, 1.0 + tl.exp2(-s * 1.4426950408889634), ieee_rounding=False)
+    allowed = allowed & row_ok[None, :]
+    if CAUSAL:
+        allowed = allowed & (kp[None, :] <= qp[:, None])
+    a = tl.where(allowed, a, 0.0)
+    v = tl.load(v_ptr + v_off + rows[:, None] * sv_n + offs_dv[None, :] * sv_d,
+                mask=row_ok[:, None] & dv_mask[None, :], other=0.0)
+    return acc + tl.dot(a.to(v.dtype), v, input_precision=DOT_PRECISION)
 
 
 @triton.jit
 def _hstu_attention_kernel(
     q_ptr, k_ptr, v_ptr, qpos_ptr, kpos_ptr, qts_ptr, kts_ptr, nh_ptr, qself_ptr,
     pb_ptr, tb_ptr, thr_ptr, o_ptr,
-    M, H, NK, D, DV, P, T,
+    M, H, NK, P, T, TUNE_M, TUNE_NK,
     sq_b, sq_m, sq_h, sq_d,
     sk_b, sk_n, sk_h, sk_d,
     sv_b, sv_n, sv_h, sv_d,
@@ -552,13 +587,19 @@ def _hstu_attention_kernel(
     spb_h, spb_p, stb_h, stb_t,
     so_b, so_m, so_h, so_d,
     scale, inv_norm, inv_log2_base,
+    D: tl.constexpr, DV: tl.constexpr,  # head dims are compile-time: no masks on full-width tiles
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, BIASES: tl.constexpr = 2,
 ):
     """out[b,i,h] = sum_j allowed(i,j) silu(scale q.k + pos_bias + time_bias) / norm * v_j.
 
     History keys j < num_history[b] with k_pos[j] <= q_pos[i] are scanned tile by tile; the one
-    extra key a candidate sees (itself, q_self[b, i]) is added per query row afterwards."""
+    extra key a candidate sees (itself, q_self[b, i]) is added per query row afterwards.
+    Per-pair values are 32-bit: positions as int32, |dt| rounded to float32 as the reference does
+    (timestamps are subtracted in int64 first, so large epochs lose nothing).
+    BIASES = 2 adds both biases (the op); 1 (position only) and 0 (none) exist for the GPU
+    efficiency profile, which times what each bias costs. TUNE_M / TUNE_NK (M and NK rounded up
+    to powers of two) are only the autotuner's cache key."""
     pid_bh = tl.program_id(0).to(tl.int64)
     pid_m = tl.program_id(1)
     b = pid_bh // H
@@ -571,59 +612,49 @@ def _hstu_attention_kernel(
     d_mask = offs_d < D
     dv_mask = offs_dv < DV
 
-    q = tl.load(q_ptr + b * sq_b + h * sq_h + offs_m[:, None] * sq_m + offs_d[None, :] * sq_d,
-                mask=m_mask[:, None] & d_mask[None, :], other=0.0)  # [BM, BD]
-    qp = tl.load(qpos_ptr + b * sqp_b + offs_m * sqp_m, mask=m_mask, other=0)
-    qt = tl.load(qts_ptr + b * sqt_b + offs_m * sqt_m, mask=m_mask, other=0)
+    qp = tl.load(qpos_ptr + b * sqp_b + offs_m * sqp_m, mask=m_mask, other=0).to(tl.int32)
+    qt = tl.load(qts_ptr + b * sqt_b + offs_m * sqt_m, mask=m_mask, other=0)  # int64
     qs = tl.load(qself_ptr + b * sqs_b + offs_m * sqs_m, mask=m_mask, other=-1)
-    nh = tl.minimum(tl.load(nh_ptr + b), NK)
+    nh = tl.minimum(tl.load(nh_ptr + b), NK).to(tl.int32)
     pb_base = pb_ptr + h * spb_h
     tb_base = tb_ptr + h * stb_h
 
+    # causal bound: one pass over the key positions finds the last history key any query of the
+    # block may see, so the main loop never visits tiles after it (no branch inside the loop,
+    # which keeps it pipelined); positions need not be sorted, sorted ones skip the most
     qp_max = tl.max(tl.where(m_mask, qp, -1), axis=0)
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    end = 0
     for start in range(0, nh, BLOCK_N):
         n = start + offs_n
-        n_mask = n < nh
-        kp = tl.load(kpos_ptr + b * skp_b + n * skp_n, mask=n_mask, other=0)
-        # causal skip: a tile whose keys all come after every query of the block adds nothing
-        if tl.min(tl.where(n_mask, kp, qp_max + 1), axis=0) <= qp_max:
-            k = tl.load(k_ptr + b * sk_b + h * sk_h + n[:, None] * sk_n + offs_d[None, :] * sk_d,
-                        mask=n_mask[:, None] & d_mask[None, :], other=0.0)
-            kt = tl.load(kts_ptr + b * skt_b + n * skt_n, mask=n_mask, other=0)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [BM, BN]
-            rel = tl.minimum(tl.maximum(qp[:, None] - kp[None, :], 0), P - 1)
-            s += tl.load(pb_base + rel * spb_p).to(tl.float32)
-            dt = qt[:, None] - kt[None, :]
-            bkt = _time_bucket(tl.where(dt < 0, -dt, dt), thr_ptr, T, inv_log2_base)
-            s += tl.load(tb_base + bkt * stb_t).to(tl.float32)
-            a = s / (1.0 + tl.exp(-s)) * inv_norm  # silu / N
-            allowed = n_mask[None, :] & (kp[None, :] <= qp[:, None]) & m_mask[:, None]
-            a = tl.where(allowed, a, 0.0)
-            v = tl.load(v_ptr + b * sv_b + h * sv_h + n[:, None] * sv_n + offs_dv[None, :] * sv_d,
-                        mask=n_mask[:, None] & dv_mask[None, :], other=0.0)
-            acc += tl.dot(a.to(v.dtype), v, input_precision=DOT_PRECISION)
+        kp = tl.load(kpos_ptr + b * skp_b + n * skp_n, mask=n < nh, other=0).to(tl.int32)
+        end = tl.maximum(end, tl.max(tl.where((n < nh) & (kp <= qp_max), n + 1, 0), axis=0))
 
-    # the query's own key (M-FALCON candidates), unless the history scan already counted it
+    q = tl.load(q_ptr + b * sq_b + h * sq_h + offs_m[:, None] * sq_m + offs_d[None, :] * sq_d,
+                mask=m_mask[:, None] & d_mask[None, :], other=0.0)  # [BM, BD]
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    # the query's own key (M-FALCON candidates), unless the history scan counts it: one more tile
+    # whose keys are the queries' own rows, kept on its diagonal
     has_self = m_mask & (qs >= 0) & (qs < NK)
-    sp = tl.load(kpos_ptr + b * skp_b + qs * skp_n, mask=has_self, other=0)
-    st = tl.load(kts_ptr + b * skt_b + qs * skt_n, mask=has_self, other=0)
-    has_self = has_self & ~((qs < nh) & (sp <= qp))
-    ks = tl.load(k_ptr + b * sk_b + h * sk_h + qs[:, None] * sk_n + offs_d[None, :] * sk_d,
-                 mask=has_self[:, None] & d_mask[None, :], other=0.0)
-    s = tl.sum(q.to(tl.float32) * ks.to(tl.float32), axis=1) * scale  # [BM]
-    rel = tl.minimum(tl.maximum(qp - sp, 0), P - 1)
-    s += tl.load(pb_base + rel * spb_p).to(tl.float32)
-    dt = qt - st
-    bkt = _time_bucket(tl.where(dt < 0, -dt, dt), thr_ptr, T, inv_log2_base)
-    s += tl.load(tb_base + bkt * stb_t).to(tl.float32)
-    a = tl.where(has_self, s / (1.0 + tl.exp(-s)) * inv_norm, 0.0)
-    vs = tl.load(v_ptr + b * sv_b + h * sv_h + qs[:, None] * sv_n + offs_dv[None, :] * sv_d,
-                 mask=has_self[:, None] & dv_mask[None, :], other=0.0)
-    acc += a[:, None] * vs.to(tl.float32)
+    if tl.max(has_self.to(tl.int32), axis=0) > 0:
+        sp = tl.load(kpos_ptr + b * skp_b + qs * skp_n, mask=has_self, other=0).to(tl.int32)
+        has_self = has_self & ~((qs < nh) & (sp <= qp))
+        diag = (offs_m[:, None] == offs_m[None, :]) & has_self[None, :]
+        acc = _hstu_tile(acc, q, qp, qt, qs, has_self, diag, b * sk_b + h * sk_h, b * sv_b + h * sv_h,
+                         k_ptr, v_ptr, kpos_ptr + b * skp_b, kts_ptr + b * skt_b, pb_base, tb_base, thr_ptr,
+                         sk_n, sk_d, sv_n, sv_d, skp_n, skt_n, spb_p, stb_t, P, T,
+                         scale, inv_log2_base, offs_d, d_mask, offs_dv, dv_mask,
+                         DOT_PRECISION, BIASES, False)
+
+    for start in range(0, end, BLOCK_N):
+        n = start + offs_n
+        acc = _hstu_tile(acc, q, qp, qt, n, n < end, m_mask[:, None], b * sk_b + h * sk_h, b * sv_b + h * sv_h,
+                         k_ptr, v_ptr, kpos_ptr + b * skp_b, kts_ptr + b * skt_b, pb_base, tb_base, thr_ptr,
+                         sk_n, sk_d, sv_n, sv_d, skp_n, skt_n, spb_p, stb_t, P, T,
+                         scale, inv_log2_base, offs_d, d_mask, offs_dv, dv_mask,
+                         DOT_PRECISION, BIASES, True)
 
     tl.store(o_ptr + b * so_b + h * so_h + offs_m[:, None] * so_m + offs_dv[None, :] * so_d,
-             acc.to(o_ptr.dtype.element_ty), mask=m_mask[:, None] & dv_mask[None, :])
+             (acc * inv_norm).to(o_ptr.dtype.element_ty), mask=m_mask[:, None] & dv_mask[None, :])
 
 
 def hstu_attention(
@@ -649,6 +680,23 @@ def hstu_attention(
     if _use_reference(q, k, v, pos_bias, time_bias):
         return reference.hstu_attention(q, k, v, q_pos, k_pos, q_ts, k_ts, num_history, q_self,
                                         pos_bias, time_bias, time_base, scale, norm, shared)
+    return _launch_hstu(q, k, v, q_pos, k_pos, q_ts, k_ts, num_history, q_self, pos_bias, time_bias,
+                        time_base, scale, norm)
+
+
+# Tile shapes the GPU autotuner picks from, per (M, NK) power-of-two bucket, head dims and dtypes;
+# perf/gpu_kernels.py --hstu-profile times each of them (BLOCK_M, BLOCK_N, warps, pipeline stages).
+HSTU_TILES = [(64, 32, 4, 2), (64, 64, 4, 2), (64, 64, 4, 3), (128, 32, 8, 2), (128, 64, 8, 2), (128, 64, 8, 3)]
+_hstu_attention_tuned = triton.autotune(
+    [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st) for bm, bn, w, st in HSTU_TILES],
+    key=["TUNE_M", "TUNE_NK", "D", "DV"],
+)(_hstu_attention_kernel)
+
+
+def _launch_hstu(q, k, v, q_pos, k_pos, q_ts, k_ts, num_history, q_self, pos_bias, time_bias,
+                 time_base, scale, norm, tiles=None, biases=2):
+    """tiles (BLOCK_M, BLOCK_N, warps, stages): fixed tiles; None = autotuned on a GPU for batches
+    of queries, fixed small tiles for a few queries (appends) and in the CPU interpreter."""
     B, M, H, D = q.shape
     NK = k.shape[1]
     DV = v.shape[-1]
@@ -656,16 +704,18 @@ def hstu_attention(
     T = time_bias.shape[1]
     out = torch.empty((B, M, H, DV), device=q.device, dtype=q.dtype)
     thr = _bucket_thresholds(T, time_base, q.device)
-    BLOCK_M = _pow2(M, 16, 64)
-    grid = (B * H, triton.cdiv(M, BLOCK_M))
-    _hstu_attention_kernel[grid](
-        q, k, v, q_pos, k_pos, q_ts, k_ts, num_history, q_self, pos_bias, time_bias, thr, out,
-        M, H, NK, D, DV, P, T,
-        *q.stride(), *k.stride(), *v.stride(),
-        *q_pos.stride(), *k_pos.stride(), *q_ts.stride(), *k_ts.stride(), *q_self.stride(),
-        *pos_bias.stride(), *time_bias.stride(), *out.stride(),
-        float(scale), 1.0 / float(norm), 1.0 / math.log2(float(time_base)),
-        BLOCK_M=BLOCK_M, BLOCK_N=_block_keys(NK), BLOCK_D=_pow2(D), BLOCK_DV=_pow2(DV),
-        DOT_PRECISION=_dot_precision(q), num_warps=4,
-    )
+    args = (q, k, v, q_pos, k_pos, q_ts, k_ts, num_history, q_self, pos_bias, time_bias, thr, out,
+            M, H, NK, P, T, triton.next_power_of_2(M), triton.next_power_of_2(NK),
+            *q.stride(), *k.stride(), *v.stride(),
+            *q_pos.stride(), *k_pos.stride(), *q_ts.stride(), *k_ts.stride(), *q_self.stride(),
+            *pos_bias.stride(), *time_bias.stride(), *out.stride(),
+            float(scale), 1.0 / float(norm), 1.0 / math.log2(float(time_base)))
+    fixed = dict(D=D, DV=DV, BLOCK_D=_pow2(D), BLOCK_DV=_pow2(DV), DOT_PRECISION=_dot_precision(q), BIASES=biases)
+    if tiles is None and q.is_cuda and M > 32:
+        grid = lambda meta: (B * H, triton.cdiv(M, meta["BLOCK_M"]))  # noqa: E731
+        _hstu_attention_tuned[grid](*args, **fixed)
+        return out
+    bm, bn, warps, stages = tiles or (_pow2(M, 16, 64), 32, 4, 2)
+    _hstu_attention_kernel[(B * H, triton.cdiv(M, bm))](*args, **fixed, BLOCK_M=bm, BLOCK_N=bn,
+                                                        num_warps=warps, num_stages=stages)
     return out
