@@ -368,8 +368,8 @@ def bench_hstu(torch, R, K, timer, args, cfg, dtype, dev, info, baseline=None) -
         res["baseline"] = {**rates(timer(lambda: baseline.hstu_attention(*call_args, *extra))),
                            "checks": check(baseline.hstu_attention(*call_args, *extra))}
     if not args.no_hstu_profile:
-        # every tile shape the autotuner chooses from, then the best one without the time bias and
-        # without both biases: what each part of the kernel costs
+        # every tile shape of K.HSTU_TILES (the op uses K.HSTU_TILE), then the best one without the
+        # time bias and without both biases: what each part of the kernel costs
         tiles = {}
         for tile in K.HSTU_TILES:
             launch = lambda tile=tile: K._launch_hstu(*call_args, *extra, tiles=tile)  # noqa: E731
@@ -452,11 +452,11 @@ def markdown(report: dict) -> str:
     if profiled:
         tiles = list(next((r["profile"]["tiles"] for r in profiled if "profile" in r), {}))
         lines += ["", "## HSTU kernel profile (ms; TFLOP/s in brackets)", "",
-                  "Each tile shape the autotuner chooses from (BLOCK_M x BLOCK_N x warps x stages), the best one "
+                  "Each tile shape of HSTU_TILES (BLOCK_M x BLOCK_N x warps x stages; the op uses HSTU_TILE), the best one "
                   "with only the position bias and with no bias (what the biases cost), and the baseline "
                   f"kernels ({report['args'].get('baseline_kernels') or 'none'}) on the same inputs.", "",
                   "| batch | heads | d | N | cand. | " + " | ".join(tiles) + " | best | pos. bias only | no bias | "
-                  "op (autotuned) | baseline | op vs baseline |",
+                  "op | baseline | op vs baseline |",
                   "|" + "---|" * (5 + len(tiles) + 6)]
         for r in profiled:
             c, pr = r["config"], r.get("profile", {})

@@ -577,7 +577,7 @@ def _hstu_tile(acc, q, qp, qt, rows, row_ok, allowed, k_off, v_off,
 def _hstu_attention_kernel(
     q_ptr, k_ptr, v_ptr, qpos_ptr, kpos_ptr, qts_ptr, kts_ptr, nh_ptr, qself_ptr,
     pb_ptr, tb_ptr, thr_ptr, o_ptr,
-    M, H, NK, P, T, TUNE_M, TUNE_NK,
+    M, H, NK, P, T,
     sq_b, sq_m, sq_h, sq_d,
     sk_b, sk_n, sk_h, sk_d,
     sv_b, sv_n, sv_h, sv_d,
@@ -598,8 +598,7 @@ def _hstu_attention_kernel(
     Per-pair values are 32-bit: positions as int32, |dt| rounded to float32 as the reference does
     (timestamps are subtracted in int64 first, so large epochs lose nothing).
     BIASES = 2 adds both biases (the op); 1 (position only) and 0 (none) exist for the GPU
-    efficiency profile, which times what each bias costs. TUNE_M / TUNE_NK (M and NK rounded up
-    to powers of two) are only the autotuner's cache key."""
+    efficiency profile, which times what each bias costs."""
     pid_bh = tl.program_id(0).to(tl.int64)
     pid_m = tl.program_id(1)
     b = pid_bh // H
@@ -684,19 +683,17 @@ def hstu_attention(
                         time_base, scale, norm)
 
 
-# Tile shapes the GPU autotuner picks from, per (M, NK) power-of-two bucket, head dims and dtypes;
-# perf/gpu_kernels.py --hstu-profile times each of them (BLOCK_M, BLOCK_N, warps, pipeline stages).
+# Tile shapes (BLOCK_M, BLOCK_N, warps, pipeline stages) that perf/gpu_kernels.py times the kernel
+# with; the op uses HSTU_TILE, the fastest of them on an H200 in four of the five profiled shapes
+# and within 2% in the fifth (perf/results/gpu/gpu_kernels.md). Few queries (appends) or keys take
+# smaller tiles.
 HSTU_TILES = [(64, 32, 4, 2), (64, 64, 4, 2), (64, 64, 4, 3), (128, 32, 8, 2), (128, 64, 8, 2), (128, 64, 8, 3)]
-_hstu_attention_tuned = triton.autotune(
-    [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st) for bm, bn, w, st in HSTU_TILES],
-    key=["TUNE_M", "TUNE_NK", "D", "DV"],
-)(_hstu_attention_kernel)
+HSTU_TILE = (64, 64, 4, 3)
 
 
 def _launch_hstu(q, k, v, q_pos, k_pos, q_ts, k_ts, num_history, q_self, pos_bias, time_bias,
                  time_base, scale, norm, tiles=None, biases=2):
-    """tiles (BLOCK_M, BLOCK_N, warps, stages): fixed tiles; None = autotuned on a GPU for batches
-    of queries, fixed small tiles for a few queries (appends) and in the CPU interpreter."""
+    """tiles: (BLOCK_M, BLOCK_N, warps, stages), default HSTU_TILE; biases < 2 only for the profile."""
     B, M, H, D = q.shape
     NK = k.shape[1]
     DV = v.shape[-1]
@@ -704,18 +701,15 @@ def _launch_hstu(q, k, v, q_pos, k_pos, q_ts, k_ts, num_history, q_self, pos_bia
     T = time_bias.shape[1]
     out = torch.empty((B, M, H, DV), device=q.device, dtype=q.dtype)
     thr = _bucket_thresholds(T, time_base, q.device)
-    args = (q, k, v, q_pos, k_pos, q_ts, k_ts, num_history, q_self, pos_bias, time_bias, thr, out,
-            M, H, NK, P, T, triton.next_power_of_2(M), triton.next_power_of_2(NK),
-            *q.stride(), *k.stride(), *v.stride(),
-            *q_pos.stride(), *k_pos.stride(), *q_ts.stride(), *k_ts.stride(), *q_self.stride(),
-            *pos_bias.stride(), *time_bias.stride(), *out.stride(),
-            float(scale), 1.0 / float(norm), 1.0 / math.log2(float(time_base)))
-    fixed = dict(D=D, DV=DV, BLOCK_D=_pow2(D), BLOCK_DV=_pow2(DV), DOT_PRECISION=_dot_precision(q), BIASES=biases)
-    if tiles is None and q.is_cuda and M > 32:
-        grid = lambda meta: (B * H, triton.cdiv(M, meta["BLOCK_M"]))  # noqa: E731
-        _hstu_attention_tuned[grid](*args, **fixed)
-        return out
-    bm, bn, warps, stages = tiles or (_pow2(M, 16, 64), 32, 4, 2)
-    _hstu_attention_kernel[(B * H, triton.cdiv(M, bm))](*args, **fixed, BLOCK_M=bm, BLOCK_N=bn,
-                                                        num_warps=warps, num_stages=stages)
+    bm, bn, warps, stages = tiles or (min(HSTU_TILE[0], _pow2(M)), min(HSTU_TILE[1], _block_keys(NK)), *HSTU_TILE[2:])
+    _hstu_attention_kernel[(B * H, triton.cdiv(M, bm))](
+        q, k, v, q_pos, k_pos, q_ts, k_ts, num_history, q_self, pos_bias, time_bias, thr, out,
+        M, H, NK, P, T,
+        *q.stride(), *k.stride(), *v.stride(),
+        *q_pos.stride(), *k_pos.stride(), *q_ts.stride(), *k_ts.stride(), *q_self.stride(),
+        *pos_bias.stride(), *time_bias.stride(), *out.stride(),
+        float(scale), 1.0 / float(norm), 1.0 / math.log2(float(time_base)),
+        D=D, DV=DV, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=_pow2(D), BLOCK_DV=_pow2(DV),
+        DOT_PRECISION=_dot_precision(q), BIASES=biases, num_warps=warps, num_stages=stages,
+    )
     return out
