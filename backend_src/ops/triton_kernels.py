@@ -683,17 +683,20 @@ def hstu_attention(
                         time_base, scale, norm)
 
 
-# Tile shapes (BLOCK_M, BLOCK_N, warps, pipeline stages) that perf/gpu_kernels.py times the kernel
-# with; the op uses HSTU_TILE, the fastest of them on an H200 in four of the five profiled shapes
-# and within 2% in the fifth (perf/results/gpu/gpu_kernels.md). Few queries (appends) or keys take
-# smaller tiles.
-HSTU_TILES = [(64, 32, 4, 2), (64, 64, 4, 2), (64, 64, 4, 3), (128, 32, 8, 2), (128, 64, 8, 2), (128, 64, 8, 3)]
-HSTU_TILE = (64, 64, 4, 3)
+# Tile shapes (BLOCK_M, BLOCK_N, warps, pipeline stages) that perf/gpu_kernels.py profiles the kernel
+# with. The op uses HSTU_TILE of its dtype, measured on an H200 (perf/results/gpu/): in fp16 3 stages
+# (tensor-core tiles; the fastest in four of the five profiled shapes, within 2% in the fifth); in
+# fp32 one stage (exact fp32 products run on the FMA units with every tile in registers, and
+# prefetching more tiles spills them: 1.4 ms against 3.5 ms with 3 stages at 256 x 512 rows).
+# Few queries (appends) or keys take smaller tiles.
+HSTU_TILES = [(64, 32, 4, 1), (64, 32, 4, 2), (64, 64, 4, 1), (64, 64, 4, 2), (64, 64, 4, 3), (128, 32, 8, 2),
+              (128, 64, 8, 2), (128, 64, 8, 3)]
+HSTU_TILE = {torch.float16: (64, 64, 4, 3), torch.bfloat16: (64, 64, 4, 3), torch.float32: (64, 64, 4, 1)}
 
 
 def _launch_hstu(q, k, v, q_pos, k_pos, q_ts, k_ts, num_history, q_self, pos_bias, time_bias,
                  time_base, scale, norm, tiles=None, biases=2):
-    """tiles: (BLOCK_M, BLOCK_N, warps, stages), default HSTU_TILE; biases < 2 only for the profile."""
+    """tiles: (BLOCK_M, BLOCK_N, warps, stages), default HSTU_TILE[dtype]; biases < 2 only for the profile."""
     B, M, H, D = q.shape
     NK = k.shape[1]
     DV = v.shape[-1]
@@ -701,7 +704,10 @@ def _launch_hstu(q, k, v, q_pos, k_pos, q_ts, k_ts, num_history, q_self, pos_bia
     T = time_bias.shape[1]
     out = torch.empty((B, M, H, DV), device=q.device, dtype=q.dtype)
     thr = _bucket_thresholds(T, time_base, q.device)
-    bm, bn, warps, stages = tiles or (min(HSTU_TILE[0], _pow2(M)), min(HSTU_TILE[1], _block_keys(NK)), *HSTU_TILE[2:])
+    if tiles is None:
+        bm, bn, warps, stages = HSTU_TILE[q.dtype]
+        tiles = (min(bm, _pow2(M)), min(bn, _block_keys(NK)), warps, stages)
+    bm, bn, warps, stages = tiles
     _hstu_attention_kernel[(B * H, triton.cdiv(M, bm))](
         q, k, v, q_pos, k_pos, q_ts, k_ts, num_history, q_self, pos_bias, time_bias, thr, out,
         M, H, NK, P, T,
