@@ -13,7 +13,8 @@ so a shorter budget reads fewer rows. The selections score the history with the 
 pools every beam's head-mean weight into one score per row; dynamic top-k keeps each beam's own
 weights and then masks every beam's rows by its k-th weight in one dense pass. HSTU attention (seed
 001) is one program per (batch, head, block of queries) with the relative position / time bias and
-the M-FALCON mask computed in the kernel.
+the M-FALCON mask computed in the kernel, every per-pair value in 32 bits (its profile on an H200:
+perf/gpu_kernels.py).
 """
 from __future__ import annotations
 
@@ -594,7 +595,8 @@ def _hstu_attention_kernel(
     """out[b,i,h] = sum_j allowed(i,j) silu(scale q.k + pos_bias + time_bias) / norm * v_j.
 
     History keys j < num_history[b] with k_pos[j] <= q_pos[i] are scanned tile by tile; the one
-    extra key a candidate sees (itself, q_self[b, i]) is added per query row afterwards.
+    extra key a candidate sees (itself, q_self[b, i]) comes first, as one tile of the block's
+    own keys kept on its diagonal.
     Per-pair values are 32-bit: positions as int32, |dt| rounded to float32 as the reference does
     (timestamps are subtracted in int64 first, so large epochs lose nothing).
     BIASES = 2 adds both biases (the op); 1 (position only) and 0 (none) exist for the GPU
