@@ -347,22 +347,25 @@ def bench_hstu(torch, R, K, timer, args, cfg, dtype, dev, info, baseline=None) -
         if ref is None:
             return {"ok": True, "note": f"reference skipped (needs ~{ref_bytes / 2**30:.0f} GiB)"}
         err, scale = max_err(out, ref), float(ref.abs().max()) or 1.0
-        return {"max_abs_err": err, "ref_max_abs": scale, "ok": bool(err <= tolerance(args.dtype) * max(1.0, scale))}
+        return {"max_abs_err": err, "ref_max_abs": scale,
+                "ok": bool(err <= tolerance(args.dtype) * max(1.0, scale))}
 
     nbytes = esize * (B * n_q * H * d * 2 + B * n_k * H * d * 2) + 8 * B * (2 * n_q + 2 * n_k)
     flops = 4 * pairs * H * d
     fp_peak = info["peak_flops"]["fp32" if args.dtype == "fp32" else "tensor_fp16"]
 
     def rates(t_ms: float) -> dict:
-        return {"ms": t_ms, "tflops": flops / t_ms / 1e9, "flop_frac": (flops / (t_ms * 1e-3) / fp_peak) if fp_peak else None}
+        return {"ms": t_ms, "tflops": flops / t_ms / 1e9,
+                "flop_frac": (flops / (t_ms * 1e-3) / fp_peak) if fp_peak else None}
 
     res["checks"] = check(K.hstu_attention(*call_args, *extra))
     t_k = timer(lambda: K.hstu_attention(*call_args, *extra))
     t_r = timer(lambda: R.hstu_attention(*call_args, *extra)) if run_ref and not args.no_reference_timing else None
+    r_k = rates(t_k)
     res["timing"] = {
         "triton_ms": t_k, "torch_ms": t_r, "speedup": (t_r / t_k) if t_r else None,
         "bytes": nbytes, "triton_tb_s": nbytes / t_k / 1e9, "bw_frac": nbytes / (t_k * 1e-3) / info["peak_bw"],
-        "triton_tflops": flops / t_k / 1e9, "flop_frac": (flops / (t_k * 1e-3) / fp_peak) if fp_peak else None,
+        "triton_tflops": r_k["tflops"], "flop_frac": r_k["flop_frac"],
     }
     if baseline is not None:  # another version of the kernels, side by side
         res["baseline"] = {**rates(timer(lambda: baseline.hstu_attention(*call_args, *extra))),
@@ -370,15 +373,17 @@ def bench_hstu(torch, R, K, timer, args, cfg, dtype, dev, info, baseline=None) -
     if not args.no_hstu_profile:
         # every tile shape of K.HSTU_TILES (the op uses K.HSTU_TILE), then the best one without the
         # time bias and without both biases: what each part of the kernel costs
+        def name(tile):
+            return "x".join(map(str, tile))
+
         tiles = {}
         for tile in K.HSTU_TILES:
             launch = lambda tile=tile: K._launch_hstu(*call_args, *extra, tiles=tile)  # noqa: E731
-            tiles["x".join(map(str, tile))] = {**rates(timer(launch)), "checks": check(launch())}
-        best = min(tiles, key=lambda name: tiles[name]["ms"])
-        tile = tuple(int(x) for x in best.split("x"))
-        parts = {f"biases={n}": rates(timer(lambda n=n: K._launch_hstu(*call_args, *extra, tiles=tile, biases=n)))
+            tiles[name(tile)] = {**rates(timer(launch)), "checks": check(launch())}
+        best = min(K.HSTU_TILES, key=lambda tile: tiles[name(tile)]["ms"])
+        parts = {f"biases={n}": rates(timer(lambda n=n: K._launch_hstu(*call_args, *extra, tiles=best, biases=n)))
                  for n in (1, 0)}
-        res["profile"] = {"tiles": tiles, "best": best, "parts_at_best": parts}
+        res["profile"] = {"tiles": tiles, "best": name(best), "parts_at_best": parts}
     return res
 
 
@@ -452,7 +457,8 @@ def markdown(report: dict) -> str:
     if profiled:
         tiles = list(next((r["profile"]["tiles"] for r in profiled if "profile" in r), {}))
         lines += ["", "## HSTU kernel profile (ms; TFLOP/s in brackets)", "",
-                  "Each tile shape of HSTU_TILES (BLOCK_M x BLOCK_N x warps x stages; the op uses HSTU_TILE), the best one "
+                  "Each tile shape of HSTU_TILES (BLOCK_M x BLOCK_N x warps x stages; the op uses HSTU_TILE), "
+                  "the best one "
                   "with only the position bias and with no bias (what the biases cost), and the baseline "
                   f"kernels ({report['args'].get('baseline_kernels') or 'none'}) on the same inputs.", "",
                   "| batch | heads | d | N | cand. | " + " | ".join(tiles) + " | best | pos. bias only | no bias | "

@@ -51,7 +51,8 @@ K = _load_compilable_kernels() if IN_PROCESS else None
 # pointer arguments that hold integer indices / lengths / positions / timestamps
 INT_PTRS = {"len_ptr", "idx_ptr", "qpos_ptr", "kpos_ptr", "qts_ptr", "kts_ptr", "nh_ptr", "qself_ptr"}
 FLOAT_SCALARS = {"qk_scale", "inv_heads", "scale", "inv_norm", "inv_log2_base"}
-FP32_PTRS = {"_pfa_scores_kernel": {"out_ptr"}, "_beam_head_mean_kernel": {"stat_ptr", "out_ptr"}, "_hstu_attention_kernel": {"pb_ptr", "tb_ptr", "thr_ptr"},
+FP32_PTRS = {"_pfa_scores_kernel": {"out_ptr"}, "_beam_head_mean_kernel": {"stat_ptr", "out_ptr"},
+             "_hstu_attention_kernel": {"pb_ptr", "tb_ptr", "thr_ptr"},
              "_decode_attention_kernel": {"sel_ptr", "tau_ptr"}}
 
 

@@ -543,22 +543,22 @@ def _time_bucket(dt_abs, thr_ptr, T, inv_log2_base):
 
 
 @triton.jit
-def _hstu_tile(acc, q, qp, qt, rows, row_ok, allowed, k_off, v_off,
-               k_ptr, v_ptr, kpos_ptr, kts_ptr, pb_base, tb_base, thr_ptr,
+def _hstu_tile(acc, q, qp, qt, rows, row_ok, allowed,
+               k_base, v_base, kpos_base, kts_base, pb_base, tb_base, thr_ptr,
                sk_n, sk_d, sv_n, sv_d, skp_n, skt_n, spb_p, stb_t, P, T,
                scale, inv_log2_base, offs_d, d_mask, offs_dv, dv_mask,
                DOT_PRECISION: tl.constexpr, BIASES: tl.constexpr, CAUSAL: tl.constexpr):
     """acc += (allowed & causal) silu(scale q k_rows^T + biases) @ v_rows for one key tile.
     q [BM, BD]; rows/row_ok [BN]: key indices and which exist; allowed [BM, BN] or broadcastable."""
-    kp = tl.load(kpos_ptr + rows * skp_n, mask=row_ok, other=0).to(tl.int32)
-    k = tl.load(k_ptr + k_off + rows[:, None] * sk_n + offs_d[None, :] * sk_d,
+    kp = tl.load(kpos_base + rows * skp_n, mask=row_ok, other=0).to(tl.int32)
+    k = tl.load(k_base + rows[:, None] * sk_n + offs_d[None, :] * sk_d,
                 mask=row_ok[:, None] & d_mask[None, :], other=0.0)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [BM, BN]
     if BIASES >= 1:
         rel = tl.minimum(tl.maximum(qp[:, None] - kp[None, :], 0), P - 1)
         s += tl.load(pb_base + rel * spb_p).to(tl.float32)
     if BIASES >= 2:
-        kt = tl.load(kts_ptr + rows * skt_n, mask=row_ok, other=0)
+        kt = tl.load(kts_base + rows * skt_n, mask=row_ok, other=0)
         dt = (qt[:, None] - kt[None, :]).to(tl.float32)  # int64 difference, then rounded
         bkt = _time_bucket(tl.abs(dt), thr_ptr, T, inv_log2_base)
         s += tl.load(tb_base + bkt * stb_t).to(tl.float32)
@@ -569,7 +569,7 @@ def _hstu_tile(acc, q, qp, qt, rows, row_ok, allowed, k_off, v_off,
     if CAUSAL:
         allowed = allowed & (kp[None, :] <= qp[:, None])
     a = tl.where(allowed, a, 0.0)
-    v = tl.load(v_ptr + v_off + rows[:, None] * sv_n + offs_dv[None, :] * sv_d,
+    v = tl.load(v_base + rows[:, None] * sv_n + offs_dv[None, :] * sv_d,
                 mask=row_ok[:, None] & dv_mask[None, :], other=0.0)
     return acc + tl.dot(a.to(v.dtype), v, input_precision=DOT_PRECISION)
 
@@ -617,6 +617,10 @@ def _hstu_attention_kernel(
     qt = tl.load(qts_ptr + b * sqt_b + offs_m * sqt_m, mask=m_mask, other=0)  # int64
     qs = tl.load(qself_ptr + b * sqs_b + offs_m * sqs_m, mask=m_mask, other=-1)
     nh = tl.minimum(tl.load(nh_ptr + b), NK).to(tl.int32)
+    k_base = k_ptr + b * sk_b + h * sk_h  # this (user, head)'s rows of every input
+    v_base = v_ptr + b * sv_b + h * sv_h
+    kpos_base = kpos_ptr + b * skp_b
+    kts_base = kts_ptr + b * skt_b
     pb_base = pb_ptr + h * spb_h
     tb_base = tb_ptr + h * stb_h
 
@@ -627,7 +631,7 @@ def _hstu_attention_kernel(
     end = 0
     for start in range(0, nh, BLOCK_N):
         n = start + offs_n
-        kp = tl.load(kpos_ptr + b * skp_b + n * skp_n, mask=n < nh, other=0).to(tl.int32)
+        kp = tl.load(kpos_base + n * skp_n, mask=n < nh, other=0).to(tl.int32)
         end = tl.maximum(end, tl.max(tl.where((n < nh) & (kp <= qp_max), n + 1, 0), axis=0))
 
     q = tl.load(q_ptr + b * sq_b + h * sq_h + offs_m[:, None] * sq_m + offs_d[None, :] * sq_d,
@@ -637,19 +641,19 @@ def _hstu_attention_kernel(
     # whose keys are the queries' own rows, kept on its diagonal
     has_self = m_mask & (qs >= 0) & (qs < NK)
     if tl.max(has_self.to(tl.int32), axis=0) > 0:
-        sp = tl.load(kpos_ptr + b * skp_b + qs * skp_n, mask=has_self, other=0).to(tl.int32)
+        sp = tl.load(kpos_base + qs * skp_n, mask=has_self, other=0).to(tl.int32)
         has_self = has_self & ~((qs < nh) & (sp <= qp))
         diag = (offs_m[:, None] == offs_m[None, :]) & has_self[None, :]
-        acc = _hstu_tile(acc, q, qp, qt, qs, has_self, diag, b * sk_b + h * sk_h, b * sv_b + h * sv_h,
-                         k_ptr, v_ptr, kpos_ptr + b * skp_b, kts_ptr + b * skt_b, pb_base, tb_base, thr_ptr,
+        acc = _hstu_tile(acc, q, qp, qt, qs, has_self, diag,
+                         k_base, v_base, kpos_base, kts_base, pb_base, tb_base, thr_ptr,
                          sk_n, sk_d, sv_n, sv_d, skp_n, skt_n, spb_p, stb_t, P, T,
                          scale, inv_log2_base, offs_d, d_mask, offs_dv, dv_mask,
                          DOT_PRECISION, BIASES, False)
 
     for start in range(0, end, BLOCK_N):
         n = start + offs_n
-        acc = _hstu_tile(acc, q, qp, qt, n, n < end, m_mask[:, None], b * sk_b + h * sk_h, b * sv_b + h * sv_h,
-                         k_ptr, v_ptr, kpos_ptr + b * skp_b, kts_ptr + b * skt_b, pb_base, tb_base, thr_ptr,
+        acc = _hstu_tile(acc, q, qp, qt, n, n < end, m_mask[:, None],
+                         k_base, v_base, kpos_base, kts_base, pb_base, tb_base, thr_ptr,
                          sk_n, sk_d, sv_n, sv_d, skp_n, skt_n, spb_p, stb_t, P, T,
                          scale, inv_log2_base, offs_d, d_mask, offs_dv, dv_mask,
                          DOT_PRECISION, BIASES, True)
