@@ -7,6 +7,8 @@ of the cached buffers (in_place=True, the server's path for one session), append
 a new combined cache. All give the same states (checked, reported as max_abs_diff).
 append_warm_E is append_E run WARM_RUNS times back to back (time per append): the same call on
 caches it warmed itself, where append_E runs right after other variants, as a request does.
+One event per user in place runs the fused CPU kernel (``ops.cpu_kernels``); append_torch_1 is
+the same call with it off (GENREC_OPS_BACKEND=torch): the eager torch composition, side by side.
 
     python -m perf.bench_caching            # default configuration (about a minute on 2 cores)
     python -m perf.bench_caching --quick    # tiny smoke configuration
@@ -14,6 +16,7 @@ caches it warmed itself, where append_E runs right after other variants, as a re
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 
@@ -50,6 +53,21 @@ def parse_args(argv=None):
     return args
 
 
+def torch_ops(fn):
+    """fn run with GENREC_OPS_BACKEND=torch (the fused CPU kernel off)."""
+    def run():
+        before = os.environ.get("GENREC_OPS_BACKEND")
+        os.environ["GENREC_OPS_BACKEND"] = "torch"
+        try:
+            return fn()
+        finally:
+            if before is None:
+                del os.environ["GENREC_OPS_BACKEND"]
+            else:
+                os.environ["GENREC_OPS_BACKEND"] = before
+    return run
+
+
 def measure(encoder, args, n: int, model_name: str, threads: int) -> list[dict]:
     """Append vs re-encode for every batch size and new-event count at one thread count."""
     rows = []
@@ -72,11 +90,13 @@ def measure(encoder, args, n: int, model_name: str, threads: int) -> list[dict]:
             calls[f"append_{e}"] = lambda new=new: encoder.append(roomy, *new, in_place=True)
             calls[f"append_copy_{e}"] = lambda new=new: encoder.append(cache, *new)
             calls[f"append_warm_{e}"] = lambda new=new: [encoder.append(roomy, *new, in_place=True) for _ in range(WARM_RUNS)]
+            if e == 1:
+                calls["append_torch_1"] = torch_ops(calls["append_1"])
             calls[f"forward_{n + e}"] = lambda whole=whole: encoder(*whole)
             with torch.inference_mode():
                 ref = encoder(*whole).states
-                diffs[e] = max(float((encoder.append(c, *new, in_place=p).states - ref).abs().max())
-                               for c, p in ((roomy, True), (cache, False)))
+                diffs[e] = max(float((append().states - ref).abs().max()) for append in (
+                    calls[f"append_{e}"], calls[f"append_copy_{e}"], torch_ops(calls[f"append_{e}"])))
         times = interleaved(calls, args.reps, args.warmup, max_seconds=args.max_seconds, sync=device_sync(dev))
         for e in args.new_events:
             t_fwd = median_s(times[f"forward_{n + e}"])
@@ -85,7 +105,7 @@ def measure(encoder, args, n: int, model_name: str, threads: int) -> list[dict]:
             rows.append({**base, "mode": f"forward_{n + e}", **summary_ms(times[f"forward_{n + e}"]),
                          "latency_ms_per_user_p50": t_fwd * 1e3 / users, "speedup_vs_forward": 1.0})
             times[f"append_warm_{e}"] = [t / WARM_RUNS for t in times[f"append_warm_{e}"]]
-            for mode in (f"append_{e}", f"append_copy_{e}", f"append_warm_{e}"):
+            for mode in (f"append_{e}", f"append_copy_{e}", f"append_warm_{e}", "append_torch_1")[: 4 if e == 1 else 3]:
                 t_app = median_s(times[mode])
                 row = {**base, "mode": mode, **summary_ms(times[mode]), "latency_ms_per_user_p50": t_app * 1e3 / users,
                        "speedup_vs_forward": ratio(t_fwd, t_app), "max_abs_diff": diffs[e]}
@@ -115,9 +135,10 @@ def main(argv=None) -> dict:
     extra = dict(
         benchmark="caching",
         note="randomly initialized HSTU: latency does not depend on training; append_E writes the new rows "
-             "into the spare rows of the cached buffers (in_place=True, as the server does for one session); "
-             "append_copy_E copies the cached K/V into a new combined cache (the batched path); append_warm_E "
-             f"is append_E run {WARM_RUNS} times back to back, time per append (warm caches)",
+             "into the spare rows of the cached buffers (in_place=True, as the server does for one session), "
+             "with one event by the fused CPU kernel; append_torch_1 is append_1 with that kernel off (eager "
+             "torch ops); append_copy_E copies the cached K/V into a new combined cache (the batched path); "
+             f"append_warm_E is append_E run {WARM_RUNS} times back to back, time per append (warm caches)",
         config=dict(history=n, users=args.users, new_events=args.new_events, d_model=args.d_model,
                     layers=args.layers, heads=args.heads, threads=args.thread_counts, device=args.device,
                     warmup=args.warmup, reps_requested=args.reps, quick=args.quick),

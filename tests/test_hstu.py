@@ -141,6 +141,89 @@ def test_in_place_append_falls_back_for_ragged_batches(enc):
     assert_cache_close(full, inc)
 
 
+# ---- the fused CPU kernel of the streaming step (one event per user, in place) ----------------
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """Counts calls of the fused kernel (which still runs)."""
+    from backend_src.ops import cpu_kernels
+
+    if not cpu_kernels.available():
+        pytest.skip("numba is not installed: the torch path serves")
+    calls = []
+    kernel = cpu_kernels.append_one_event
+    monkeypatch.setattr(cpu_kernels, "append_one_event", lambda *args: calls.append(1) or kernel(*args))
+    return calls
+
+
+def one_more_event(batch, n):
+    """(first n events, the event n) of each user of a batch whose users all have n + 1 events."""
+    users = len(batch[3])
+    first, second = cut(*batch, [n] * users)
+    return (*(t[:, :n] for t in first[:3]), first[3]), (*(t[:, :1] for t in second[:3]), torch.ones(users, dtype=torch.long))
+
+
+@pytest.mark.parametrize("users", [1, 3])
+def test_fused_append_equals_full_encode_and_torch_path(enc, kernel_calls, monkeypatch, users):
+    """The kernel writes the K/V, state and timestamp of encoding at once, and of the torch path."""
+    batch = make_batch([30] * users, seed=16)
+    first, new = one_more_event(batch, 29)
+    with torch.no_grad():
+        full = enc(*batch)
+        fused = enc.append(enc(*first).reserve(40), *new, in_place=True)
+        assert len(kernel_calls) == 1
+        monkeypatch.setenv("GENREC_OPS_BACKEND", "torch")
+        torch_path = enc.append(enc(*first).reserve(40), *new, in_place=True)
+    assert len(kernel_calls) == 1
+    assert_cache_close(fused, full)
+    assert_cache_close(fused, torch_path)
+
+
+def test_fused_append_time_buckets_at_their_edges(kernel_calls):
+    """Gaps on both sides of every bucket edge, up to 1.6^63 s (edges past 2^24 s are whole
+    floats, hit exactly), with a large time bias per bucket: the kernel's float32 thresholds
+    bucket as the reference's log formula does."""
+    from backend_src import ops
+
+    cfg = tiny_config(num_time_buckets=64, max_seq_len=160)
+    enc = make_encoder(cfg, seed=3)
+    thr = ops.time_bucket_thresholds(cfg.num_time_buckets, cfg.time_bucket_base)[1:-1]
+    edges = thr[torch.isfinite(thr)].double().ceil().long()
+    gaps = torch.cat([edges, edges - 1]).clamp(min=0).unique().flip(0)
+    assert len(gaps) < cfg.max_seq_len
+    n, now = len(gaps), 10**13
+    ts = torch.cat([now - gaps, torch.tensor([now])])[None]
+    items, actions, _, _ = make_batch([n + 1], seed=18)
+    batch = (items, actions, ts, torch.tensor([n + 1]))
+    first, new = one_more_event(batch, n)
+    with torch.no_grad():
+        assert_cache_close(enc.append(enc(*first).reserve(n + 2), *new, in_place=True), enc(*batch))
+    assert len(kernel_calls) == 1
+
+
+def test_fused_append_follows_weight_changes(cfg, kernel_calls):
+    """Parameters updated in place (an optimizer step) and replaced (load_state_dict(assign=True))
+    reach the kernel; in training mode the torch path runs (dropout)."""
+    enc, other = make_encoder(cfg, seed=4), make_encoder(cfg, seed=5)
+    batch = make_batch([20], seed=17)
+    first, new = one_more_event(batch, 19)
+
+    def check():
+        with torch.no_grad():
+            assert_cache_close(enc.append(enc(*first).reserve(32), *new, in_place=True), enc(*batch))
+
+    check()
+    with torch.no_grad():
+        enc.layers[0].f1.weight.mul_(1.5)
+    check()
+    enc.load_state_dict(other.state_dict(), assign=True)
+    check()
+    assert len(kernel_calls) == 3
+    enc.train()
+    with torch.no_grad():
+        enc.append(enc(*first).reserve(32), *new, in_place=True)
+    assert len(kernel_calls) == 3
+
+
 def test_append_overflow_raises(cfg, enc):
     batch = make_batch([60, 3], seed=5)
     with torch.no_grad():

@@ -319,7 +319,7 @@ def test_hstu_attention_several_query_blocks(shuffle):
 def test_time_bucket_thresholds_match_reference():
     """thr[t] is the first float32 whose reference bucket is t: the float just below it is in t - 1."""
     for T, base in [(64, 1.6), (20, 2.0), (8, 10.0)]:
-        thr = K._bucket_thresholds_cpu(T, base)
+        thr = R.time_bucket_thresholds(T, base)
         assert thr.dtype == torch.float32 and thr[0] == 0 and thr[-1] == math.inf
         inner = thr[1:-1]
         reach = torch.isfinite(inner)

@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass, fields
 from typing import Sequence
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -140,6 +141,12 @@ class HistoryCache:
 
     def capacity(self) -> int:
         """Rows every tensor's buffer holds for each user (>= num_rows)."""
+        buffer_rows = self.__dict__.get("_buffer_rows")  # known for views from grown()
+        if buffer_rows is None:
+            buffer_rows = self._buffer_rows = self._count_buffer_rows()
+        return max(self.num_rows, buffer_rows)
+
+    def _count_buffer_rows(self) -> int:
         caps = []
         for f in fields(self):
             if f.name == "lengths":
@@ -152,7 +159,7 @@ class HistoryCache:
             extent = t.storage_offset() + sum((s - 1) * st for s, st in zip(t.shape, t.stride()) if s) + 1
             extent += (cap - t.shape[d]) * row
             caps.append(cap if t.numel() and extent * t.element_size() <= t.untyped_storage().nbytes() else t.shape[d])
-        return max(self.num_rows, min(caps))
+        return min(caps)
 
     def reserve(self, capacity: int) -> "HistoryCache":
         """The same cache in fresh buffers of `capacity` rows (zero past num_rows)."""
@@ -162,7 +169,9 @@ class HistoryCache:
     def grown(self, n: int) -> "HistoryCache":
         """Views of the first n rows of this cache's buffers (n <= capacity()); rows past
         num_rows are whatever the buffer holds there (the caller writes them)."""
-        return self._map_rows(lambda t, d: t.as_strided(_rows_shape(t, d, n), t.stride(), t.storage_offset()))
+        views = self._map_rows(lambda t, d: t.as_strided(_rows_shape(t, d, n), t.stride(), t.storage_offset()))
+        views._buffer_rows = self.capacity()  # the same buffers
+        return views
 
     # ---- device / bookkeeping -----------------------------------------------------------
     def to(self, device=None, dtype: torch.dtype | None = None) -> "HistoryCache":
@@ -190,6 +199,16 @@ class HistoryCache:
 # --------------------------------------------------------------------------------------------
 # Helpers
 # --------------------------------------------------------------------------------------------
+_PARAMETER_REGISTRATIONS = [0]  # parameters registered by any module so far (see _fused_weights)
+
+
+def _count_registration(module, name, param):
+    _PARAMETER_REGISTRATIONS[0] += 1
+
+
+torch.nn.modules.module.register_module_parameter_registration_hook(_count_registration)
+
+
 def row_mask(lengths: torch.Tensor, n: int) -> torch.Tensor:
     """[B] lengths -> [B, n] bool, True for rows < length."""
     return torch.arange(n, device=lengths.device)[None, :] < lengths[:, None]
@@ -225,13 +244,10 @@ def merge_rows(
     return merged.mul_(valid.reshape(B, n_out, *([1] * (both.dim() - 2))).to(merged.dtype))
 
 
-def _check_length(total: torch.Tensor, limit: int, what: str) -> None:
-    """Data-dependent check; skipped while tracing for export (shapes are fixed there)."""
-    if torch.jit.is_tracing() or torch.onnx.is_in_onnx_export():
-        return
-    if total.numel() and int(total.max()) > limit:
+def _check_length(longest: int, limit: int, what: str) -> None:
+    if longest > limit:
         raise ValueError(
-            f"{what}: {int(total.max())} events exceed max_seq_len={limit}; "
+            f"{what}: {longest} events exceed max_seq_len={limit}; "
             f"re-encode the most recent {limit} events with forward() instead"
         )
 
@@ -317,7 +333,9 @@ class HSTUEncoder(nn.Module):
         timestamps: torch.Tensor,  # [B, N] long seconds
         lengths: torch.Tensor,  # [B] long
     ) -> HistoryCache:
-        _check_length(lengths, self.cfg.max_seq_len, "forward")
+        # data-dependent: skipped while tracing for export (shapes are fixed there)
+        if lengths.numel() and not (torch.jit.is_tracing() or torch.onnx.is_in_onnx_export()):
+            _check_length(int(lengths.max()), self.cfg.max_seq_len, "forward")
         B, N = items.shape
         valid = row_mask(lengths, N)  # [B, N]
         vmask = valid[..., None].to(self.item_embedding.weight.dtype)
@@ -341,6 +359,62 @@ class HSTUEncoder(nn.Module):
             timestamps=timestamps * valid,
             lengths=lengths,
         )
+
+    # ---- fused CPU step ----------------------------------------------------------------------
+    def _append_fused(self, out: HistoryCache, items, actions, timestamps) -> bool:
+        """One event per user onto full histories by the fused CPU kernel (``ops.cpu_kernels``),
+        written into the last row of `out`'s buffers. False, with nothing written, where it does
+        not apply: training or autograd, tensors that are not float32 on the CPU, the backend
+        forced by GENREC_OPS_BACKEND, numba missing."""
+        if self.training or torch.is_grad_enabled():
+            return False
+        kernels = ops.fused_cpu_kernels(out.keys, out.values, out.states, self.item_embedding.weight)
+        weights = self._fused_weights() if kernels is not None else None
+        if weights is None or out.keys.stride(-1) != 1 or out.values.stride(-1) != 1:
+            return False
+        kernels.append_one_event(
+            items.numpy(), actions.numpy(), timestamps.numpy(), out.num_rows - 1,
+            *kernels.flat(out.keys), *kernels.flat(out.values), out.states.numpy(), out.timestamps.numpy(), *weights,
+        )
+        return True
+
+    def _fused_weights(self):
+        """The kernel's weight arguments: numpy views of the parameters (not copies, so they
+        follow in-place updates), rebuilt when a parameter tensor is replaced. None when the
+        layers differ in what the kernel takes as one constant (LayerNorm eps) or not float32."""
+        cached = getattr(self, "_fused_cache", None)
+        # the parameter tensors are listed once per registration of any parameter anywhere (a
+        # replaced weight registers anew); a moved one is caught by its address
+        if cached is not None and cached[0] == _PARAMETER_REGISTRATIONS[0]:
+            if tuple(map(torch.Tensor.data_ptr, cached[1])) == cached[2]:
+                return cached[3]
+        params = tuple(self.parameters())
+        layers = self.layers
+        norms = [m for m in self.modules() if isinstance(m, nn.LayerNorm)]
+        if len({m.eps for m in norms}) != 1 or any(p.dtype != torch.float32 for p in params):
+            weights = None
+        else:
+            a = lambda t: t.detach().numpy()  # noqa: E731
+            each = lambda get: tuple(a(get(layer)) for layer in layers)  # noqa: E731
+            f32 = np.float32
+            weights = (
+                a(self.item_embedding.weight), a(self.action_embedding.weight), f32(self.embed_scale),
+                each(lambda m: m.norm.weight), each(lambda m: m.norm.bias), each(lambda m: m.f1.weight),
+                each(lambda m: m.f1.bias), each(lambda m: m.attn_norm.weight), each(lambda m: m.attn_norm.bias),
+                each(lambda m: m.f2.weight), each(lambda m: m.f2.bias), each(lambda m: m.pos_bias),
+                each(lambda m: m.time_bias), f32(norms[0].eps), a(self.final_norm.weight), a(self.final_norm.bias),
+                ops.time_bucket_thresholds(self.cfg.num_time_buckets, self.cfg.time_bucket_base).numpy(),
+                f32(layers[0].scale), f32(1.0 / layers[0].attn_divisor),
+            )
+        self._fused_cache = (_PARAMETER_REGISTRATIONS[0], params, tuple(map(torch.Tensor.data_ptr, params)), weights)
+        return weights
+
+    def warm_up(self) -> None:
+        """One streaming append on a one-event history: compiles the fused kernel (seconds on first
+        use, then cached on disk), so that no user's request pays for it."""
+        one = torch.ones(1, 1, dtype=torch.long, device=self.item_embedding.weight.device)
+        with torch.inference_mode():
+            self.append(self(one, one, one, one[0]).reserve(2), one, one, one, one[0], in_place=True)
 
     # ---- incremental encode -----------------------------------------------------------------
     def append(
@@ -368,12 +442,28 @@ class HSTUEncoder(nn.Module):
         bias table and the fixed divisor are not defined there, so the caller must re-encode
         the most recent max_seq_len events with ``forward`` instead.
         """
-        total = cache.lengths + new_lengths
-        _check_length(total, self.cfg.max_seq_len, "append")
         B, Nn = items.shape
         No = cache.num_rows
-        in_place = in_place and bool((cache.lengths == No).all()) and bool((new_lengths == Nn).all())
-        n_out = No + Nn if in_place else (int(total.max()) if B else 0)
+        old_n, new_n = cache.lengths.tolist(), new_lengths.tolist()  # checked on the host, not by tensor ops
+        longest = max(map(sum, zip(old_n, new_n)), default=0)
+        _check_length(longest, self.cfg.max_seq_len, "append")
+        total = cache.lengths + new_lengths
+        in_place = in_place and all(n == No for n in old_n) and all(n == Nn for n in new_n)
+        n_out = No + Nn if in_place else longest
+        if in_place:
+            if cache.capacity() < n_out:
+                cache = cache.reserve(min(self.cfg.max_seq_len, 2 * n_out))
+            out = cache.grown(n_out)  # rows No.. are written below
+            out.lengths = total
+            if Nn == 1 and self._append_fused(out, items, actions, timestamps):
+                return out
+            out.timestamps[:, No:].copy_(timestamps)
+            keys, values, k_ts = out.keys, out.values, out.timestamps
+        else:
+            k_ts = merge_rows(cache.timestamps, timestamps, cache.lengths, new_lengths, n_out)
+            # every layer's merged rows go straight into the stacked cache tensors
+            keys = cache.keys.new_empty((len(self.layers), B, n_out, *cache.keys.shape[3:]))
+            values = cache.values.new_empty((len(self.layers), B, n_out, *cache.values.shape[3:]))
         old_len = cache.lengths
         # in place, every new row is valid: no padding to zero
         nmask = None if in_place else row_mask(new_lengths, Nn)[..., None].to(self.item_embedding.weight.dtype)
@@ -383,17 +473,6 @@ class HSTUEncoder(nn.Module):
         q_pos = old_len[:, None] + torch.arange(Nn, device=items.device)[None, :]  # [B, Nn]
         k_pos = torch.arange(n_out, device=items.device).expand(B, n_out)  # row index = position
         no_self = torch.full_like(q_pos, -1)
-        if in_place:
-            if cache.capacity() < n_out:
-                cache = cache.reserve(min(self.cfg.max_seq_len, 2 * n_out))
-            out = cache.grown(n_out)  # rows No.. are written below
-            out.timestamps[:, No:].copy_(timestamps)
-            keys, values, k_ts = out.keys, out.values, out.timestamps
-        else:
-            k_ts = merge_rows(cache.timestamps, timestamps, old_len, new_lengths, n_out)
-            # every layer's merged rows go straight into the stacked cache tensors
-            keys = cache.keys.new_empty((len(self.layers), B, n_out, *cache.keys.shape[3:]))
-            values = cache.values.new_empty((len(self.layers), B, n_out, *cache.values.shape[3:]))
         shared = {}
         for li, layer in enumerate(self.layers):
             u, q, k, v = layer.project(x)
@@ -409,13 +488,6 @@ class HSTUEncoder(nn.Module):
         new_states = self.final_norm(x)
         if in_place:
             out.states[:, No:].copy_(new_states)
-            states = out.states
-        else:
-            states = merge_rows(cache.states, new_states * nmask, old_len, new_lengths, n_out)
-        return HistoryCache(
-            keys=keys,
-            values=values,
-            states=states,
-            timestamps=k_ts,
-            lengths=total,
-        )
+            return out
+        states = merge_rows(cache.states, new_states * nmask, old_len, new_lengths, n_out)
+        return HistoryCache(keys=keys, values=values, states=states, timestamps=k_ts, lengths=total)

@@ -3,14 +3,16 @@
 ``reference`` (torch) always exists and defines the semantics. ``triton_kernels`` holds the
 Triton-lang kernels, used for CUDA tensors when Triton is importable (or everywhere when
 ``GENREC_OPS_BACKEND=triton`` with ``TRITON_INTERPRET=1``, which is how the CPU tests run them).
+``cpu_kernels`` (numba) fuses the encoder's one-event append into one call on the CPU.
 """
 from backend_src.ops.dispatch import (  # noqa: F401
     attention_probs,
     backend_for,
     decode_attention,
     dynamic_topk_attention,
+    fused_cpu_kernels,
     gather_rows,
     hstu_attention,
     pfa_select,
 )
-from backend_src.ops.reference import time_bucket  # noqa: F401
+from backend_src.ops.reference import time_bucket, time_bucket_thresholds  # noqa: F401

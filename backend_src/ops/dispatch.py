@@ -20,6 +20,22 @@ def _triton_module():
     return triton_kernels
 
 
+@functools.lru_cache(maxsize=None)
+def _cpu_module():
+    from backend_src.ops import cpu_kernels  # imports numba (slow): only on first use
+
+    return cpu_kernels if cpu_kernels.available() else None
+
+
+def fused_cpu_kernels(*tensors: torch.Tensor):
+    """The fused CPU kernels module (``cpu_kernels``, numba) when it takes a call on `tensors`:
+    all float32 on the CPU, numba importable, GENREC_OPS_BACKEND not forcing a backend
+    ("torch" runs the reference composition); else None."""
+    if os.environ.get(_ENV, "auto") != "auto" or not all(t.is_cpu and t.dtype == torch.float32 for t in tensors):
+        return None
+    return _cpu_module()
+
+
 def backend_for(*tensors: torch.Tensor) -> str:
     """'triton' when forced by the environment, or when every tensor is on a GPU and Triton
     imports; 'torch' otherwise. Never launches a kernel without a driver to run it on."""

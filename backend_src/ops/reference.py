@@ -6,6 +6,7 @@ Shapes: B users, W beams, H heads, N history rows, M query tokens, d head dim.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -21,6 +22,29 @@ def time_bucket(dt: torch.Tensor, num_buckets: int, base: float) -> torch.Tensor
     """Log-bucketed |time difference| (seconds): bucket = floor(log(1 + |dt|) / log(base)), clipped."""
     dt = dt.abs().to(torch.float32)
     return torch.log1p_(dt).div_(math.log(base)).floor_().clamp_(0, num_buckets - 1).long()
+
+
+@functools.lru_cache(maxsize=None)
+def time_bucket_thresholds(num_buckets: int, base: float) -> torch.Tensor:
+    """thr[t] = smallest float32 x >= 0 whose time bucket is >= t (thr[0] = 0, thr[T] = inf).
+
+    time_bucket rounds |dt| to float32 first, so its bucket is a step function of that float and
+    counting the thresholds thr[1..T-1] <= x gives the same bucket, boundaries included. The fast
+    backends (Triton, numba) bucket this way, without a per-pair log whose last bit could differ.
+    Computed once per table, on the CPU (callers move it to their device)."""
+    t = torch.arange(1, num_buckets, dtype=torch.int64)
+    # non-negative floats sort as their int32 bit patterns: binary search over the patterns
+    lo = torch.full_like(t, -1)  # bucket(float(lo)) < t (pattern -1 stands for "below 0")
+    hi = torch.full_like(t, 0x7F7FFFFF)  # float32 max
+    as_float = lambda bits: bits.to(torch.int32).view(torch.float32)  # noqa: E731
+    reachable = time_bucket(as_float(hi), num_buckets, base) >= t
+    for _ in range(32):  # invariant: bucket(hi) >= t where reachable
+        mid = lo + (hi - lo) // 2
+        up = time_bucket(as_float(mid.clamp(min=0)), num_buckets, base) >= t
+        hi = torch.where(up, mid, hi)
+        lo = torch.where(up, lo, mid)
+    thr = torch.where(reachable, as_float(hi), torch.full((num_buckets - 1,), math.inf))
+    return torch.cat([torch.zeros(1), thr, torch.full((1,), math.inf)])
 
 
 # --------------------------------------------------------------------------------------------

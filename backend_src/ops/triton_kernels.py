@@ -18,7 +18,6 @@ perf/gpu_kernels.py).
 """
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -499,36 +498,13 @@ def gather_rows(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------
 # HSTU pointwise attention (seed 001) with in-kernel relative bias and the M-FALCON mask
 # --------------------------------------------------------------------------------------------
-@functools.lru_cache(maxsize=None)
-def _bucket_thresholds_cpu(num_buckets: int, base: float) -> torch.Tensor:
-    """thr[t] = smallest float32 x >= 0 whose reference time bucket is >= t (thr[0] = 0, thr[T] = inf).
-
-    The reference buckets |dt| after rounding it to float32, so its bucket is a step function of
-    that float. The kernel estimates floor(log2(1+x) / log2(base)) with fast fp32 math and corrects
-    it by one bucket with these float thresholds, so its buckets equal the reference's exactly,
-    boundaries included, and every per-pair value stays in 32-bit registers."""
-    t = torch.arange(1, num_buckets, dtype=torch.int64)
-    # non-negative floats sort as their int32 bit patterns: binary search over the patterns
-    lo = torch.full_like(t, -1)  # bucket(float(lo)) < t (pattern -1 stands for "below 0")
-    hi = torch.full_like(t, 0x7F7FFFFF)  # float32 max
-    as_float = lambda bits: bits.to(torch.int32).view(torch.float32)  # noqa: E731
-    reachable = reference.time_bucket(as_float(hi), num_buckets, base) >= t
-    for _ in range(32):  # invariant: bucket(hi) >= t where reachable
-        mid = lo + (hi - lo) // 2
-        up = reference.time_bucket(as_float(mid.clamp(min=0)), num_buckets, base) >= t
-        hi = torch.where(up, mid, hi)
-        lo = torch.where(up, lo, mid)
-    thr = torch.where(reachable, as_float(hi), torch.full((num_buckets - 1,), math.inf))
-    return torch.cat([torch.zeros(1), thr, torch.full((1,), math.inf)])
-
-
 _THRESHOLDS: dict = {}
 
 
 def _bucket_thresholds(num_buckets: int, base: float, device: torch.device) -> torch.Tensor:
     key = (num_buckets, float(base), str(device))
     if key not in _THRESHOLDS:
-        _THRESHOLDS[key] = _bucket_thresholds_cpu(num_buckets, float(base)).to(device)
+        _THRESHOLDS[key] = reference.time_bucket_thresholds(num_buckets, float(base)).to(device)
     return _THRESHOLDS[key]
 
 

@@ -56,6 +56,7 @@ class TritonPythonModel:
         self.model = GenerativeRecommender.load(vdir / "model.pt")
         self.device = "cuda" if torch.cuda.is_available() else "cpu"  # sessions live where the model runs
         self.model.to(self.device)
+        self.model.backbone.warm_up()
         cfg = self.model.cfg
         self.sizes = P.model_sizes(cfg)
         self.max_history = min(int(params.get("max_history", cfg.max_seq_len)), cfg.max_seq_len)
