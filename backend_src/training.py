@@ -79,8 +79,22 @@ def losses(model: GenerativeRecommender, batch, sampler: NegativeSampler, tcfg: 
 
     dense_weight = tcfg.extra.get("dense_weight", 1.0)
     if dense_weight > 0:
-        out["dense"] = dense_weight * F.cross_entropy(model.dense_scores(cache.states[valid]), targets[valid])
+        n_neg = tcfg.extra.get("dense_negatives", 0)
+        negatives = torch.randint(1, model.cfg.num_items + 1, (n_neg,), generator=gen) if n_neg > 0 else None
+        out["dense"] = dense_weight * dense_loss(model, cache.states[valid], targets[valid], negatives)
     return out
+
+
+def dense_loss(model: GenerativeRecommender, states, targets, negatives: torch.Tensor | None = None):
+    """CE of the next item by the dense head (states [P, D], targets [P]): over the whole catalog,
+    or over the target and `negatives` [S] shared by the batch (a sampled softmax; a negative
+    equal to the target is masked), which costs S / num_items of the full product."""
+    if negatives is None:
+        return F.cross_entropy(model.dense_scores(states), targets)
+    emb = model.backbone.item_embedding.weight
+    pos = (states * emb[targets]).sum(-1, keepdim=True)  # [P, 1]
+    neg = (states @ emb[negatives].T).masked_fill(negatives[None, :] == targets[:, None], float("-inf"))  # [P, S]
+    return F.cross_entropy(torch.cat([pos, neg], 1), torch.zeros_like(targets))
 
 
 def lr_scale(tcfg: TrainConfig, progress: float) -> float:

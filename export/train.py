@@ -52,6 +52,9 @@ def parse_args(argv=None):
     p.add_argument("--shared-kv", action="store_true", help="PFA ablation: one K/V projection for all steps")
     p.add_argument("--ranker-weight", type=float, default=1.0)
     p.add_argument("--dense-weight", type=float, default=1.0)
+    p.add_argument("--dense-negatives", type=int, default=0,
+                   help="sampled softmax for the dense head with this many shared uniform negatives (0: whole catalog)")
+    p.add_argument("--ranker-negatives", type=int, default=64, help="sampled negatives per ranker positive")
     p.add_argument("--valid-users", type=int, default=2000,
                    help="users in the per-epoch validation check (a fixed random sample)")
     p.add_argument("--test-users", type=int, default=None, help="limit the final test evaluation")
@@ -75,6 +78,7 @@ def main(argv=None):
         dropout=args.dropout,
         codebook_sizes=tuple(args.codebook or preset["codebook"]) + (1,),
         shared_kv_projection=args.shared_kv,
+        ranker_negatives=args.ranker_negatives,
     )
     tcfg = TrainConfig(
         epochs=args.epochs or preset["epochs"],
@@ -85,7 +89,7 @@ def main(argv=None):
         stochastic_length_alpha=args.alpha,
         ranker_weight=args.ranker_weight,
         seed=args.seed,
-        extra={"dense_weight": args.dense_weight},
+        extra={"dense_weight": args.dense_weight, "dense_negatives": args.dense_negatives},
     )
     print(f"{data.name}: {data.num_users} users, {data.num_items} items, {len(data.items)} events")
     model = build_model(data, cfg, seed=args.seed)

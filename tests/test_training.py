@@ -23,3 +23,22 @@ def test_cosine_schedule_decays_to_the_floor():
 def test_unknown_schedule_is_an_error():
     with pytest.raises(ValueError, match="lr_schedule"):
         lr_scale(TrainConfig(lr_schedule="step"), 0.5)
+
+
+def test_sampled_dense_loss_over_every_item_is_the_full_softmax():
+    """With every item as a shared negative (the target among them, masked) the sampled softmax is
+    the softmax over the whole catalog; with a few negatives it is a smaller loss over fewer items."""
+    import torch
+
+    from backend_src.config import ModelConfig
+    from backend_src.model.recommender import GenerativeRecommender
+    from backend_src.model.semantic_ids import SemanticIdCodebook
+    from backend_src.training import dense_loss
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(num_items=40, d_model=16, num_layers=1, num_heads=2, max_seq_len=8)
+    model = GenerativeRecommender(cfg, SemanticIdCodebook(), [None] + [str(i) for i in range(40)])
+    states, targets = torch.randn(6, 16), torch.randint(1, 41, (6,))
+    full = dense_loss(model, states, targets)
+    assert torch.allclose(dense_loss(model, states, targets, torch.randperm(40) + 1), full, atol=1e-6)
+    assert dense_loss(model, states, targets, torch.tensor([1, 2, 3])) < full
