@@ -77,7 +77,7 @@ bench-gpu:
 ## the README's quality results (long runs)
 train-beauty: setup
 	$(PY) -m export.train --data amazon-beauty --out $(RUNS)/beauty/model.pt --minutes 28 --lr 2e-3 --lr-schedule cosine \
-		--weight-decay 0.1 --d-model 96 --valid-users 4000
+		--weight-decay 0.1 --d-model 96 --dropout 0.3 --valid-users 4000 --dense-negatives 1024 --ranker-negatives 32
 	$(PY) -m export.evaluate --checkpoint $(RUNS)/beauty/model.pt --data amazon-beauty --out perf/results/quality_beauty.json
 
 train-ml1m: setup
