@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
+from operator import attrgetter
 from typing import Sequence
 
 import numpy as np
@@ -395,14 +396,13 @@ class HSTUEncoder(nn.Module):
             weights = None
         else:
             a = lambda t: t.detach().numpy()  # noqa: E731
-            each = lambda get: tuple(a(get(layer)) for layer in layers)  # noqa: E731
+            per_layer = [tuple(a(attrgetter(name)(layer)) for layer in layers) for name in (
+                "norm.weight", "norm.bias", "f1.weight", "f1.bias", "attn_norm.weight", "attn_norm.bias",
+                "f2.weight", "f2.bias", "pos_bias", "time_bias")]  # the kernel's per-layer tuples, in its order
             f32 = np.float32
             weights = (
-                a(self.item_embedding.weight), a(self.action_embedding.weight), f32(self.embed_scale),
-                each(lambda m: m.norm.weight), each(lambda m: m.norm.bias), each(lambda m: m.f1.weight),
-                each(lambda m: m.f1.bias), each(lambda m: m.attn_norm.weight), each(lambda m: m.attn_norm.bias),
-                each(lambda m: m.f2.weight), each(lambda m: m.f2.bias), each(lambda m: m.pos_bias),
-                each(lambda m: m.time_bias), f32(norms[0].eps), a(self.final_norm.weight), a(self.final_norm.bias),
+                a(self.item_embedding.weight), a(self.action_embedding.weight), f32(self.embed_scale), *per_layer,
+                f32(norms[0].eps), a(self.final_norm.weight), a(self.final_norm.bias),
                 ops.time_bucket_thresholds(self.cfg.num_time_buckets, self.cfg.time_bucket_base).numpy(),
                 f32(layers[0].scale), f32(1.0 / layers[0].attn_divisor),
             )
