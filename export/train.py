@@ -54,6 +54,8 @@ def parse_args(argv=None):
     p.add_argument("--dense-weight", type=float, default=1.0)
     p.add_argument("--dense-negatives", type=int, default=0,
                    help="sampled softmax for the dense head with this many shared uniform negatives (0: whole catalog)")
+    p.add_argument("--dense-temperature", type=float, default=0.0,
+                   help="> 0: the dense head scores cosine similarity / this temperature (0: dot product)")
     p.add_argument("--ranker-negatives", type=int, default=64, help="sampled negatives per ranker positive")
     p.add_argument("--valid-users", type=int, default=2000,
                    help="users in the per-epoch validation check (a fixed random sample)")
@@ -89,7 +91,8 @@ def main(argv=None):
         stochastic_length_alpha=args.alpha,
         ranker_weight=args.ranker_weight,
         seed=args.seed,
-        extra={"dense_weight": args.dense_weight, "dense_negatives": args.dense_negatives},
+        extra={"dense_weight": args.dense_weight, "dense_negatives": args.dense_negatives,
+               "dense_temperature": args.dense_temperature},
     )
     print(f"{data.name}: {data.num_users} users, {data.num_items} items, {len(data.items)} events")
     model = build_model(data, cfg, seed=args.seed)
