@@ -55,7 +55,8 @@ def parse_args(argv=None):
     p.add_argument("--dense-negatives", type=int, default=0,
                    help="sampled softmax for the dense head with this many shared uniform negatives (0: whole catalog)")
     p.add_argument("--dense-temperature", type=float, default=0.0,
-                   help="> 0: the dense head scores cosine similarity / this temperature (0: dot product)")
+                   help="> 0: the dense loss scores cosine similarity / this temperature (0: dot product); "
+                        "the evaluation's dense diagnostic stays the dot product")
     p.add_argument("--ranker-negatives", type=int, default=64, help="sampled negatives per ranker positive")
     p.add_argument("--valid-users", type=int, default=2000,
                    help="users in the per-epoch validation check (a fixed random sample)")
