@@ -22,6 +22,7 @@ class ModelConfig:
     decoder_heads: int = 2
     shared_kv_projection: bool = False  # PFA ablation: one K/V projection for all steps
     ranker_negatives: int = 64
+    dense_temperature: float = 0.0  # > 0: the dense head scores cosine similarity / temperature
     # served ("fused") order: rank_fusion_weight * M-FALCON logit + retrieval log-probability;
     # chosen on the validation split after training (export.train, export.evaluate --tune-fusion)
     rank_fusion_weight: float = 1.0

@@ -81,23 +81,17 @@ def losses(model: GenerativeRecommender, batch, sampler: NegativeSampler, tcfg: 
     if dense_weight > 0:
         n_neg = tcfg.extra.get("dense_negatives", 0)
         negatives = torch.randint(1, model.cfg.num_items + 1, (n_neg,), generator=gen) if n_neg > 0 else None
-        temperature = tcfg.extra.get("dense_temperature", 0.0)
-        out["dense"] = dense_weight * dense_loss(model, cache.states[valid], targets[valid], negatives, temperature)
+        out["dense"] = dense_weight * dense_loss(model, cache.states[valid], targets[valid], negatives)
     return out
 
 
-def dense_loss(
-    model: GenerativeRecommender, states, targets, negatives: torch.Tensor | None = None, temperature: float = 0.0
-):
+def dense_loss(model: GenerativeRecommender, states, targets, negatives: torch.Tensor | None = None):
     """CE of the next item by the dense head (states [P, D], targets [P]): over the whole catalog,
     or over the target and `negatives` [S] shared by the batch (a sampled softmax; a negative
-    equal to the target is masked), which costs S / num_items of the full product.
-    temperature > 0: cosine similarity / temperature instead of the dot product."""
-    emb = model.backbone.item_embedding.weight
-    if temperature > 0:
-        states, emb = F.normalize(states, dim=-1) / temperature, F.normalize(emb, dim=-1)
+    equal to the target is masked), which costs S / num_items of the full product."""
     if negatives is None:
-        return F.cross_entropy((states @ emb.T)[:, 1:], targets - 1)
+        return F.cross_entropy(model.dense_scores(states), targets)
+    states, emb = model.dense_operands(states)
     pos = (states * emb[targets]).sum(-1, keepdim=True)  # [P, 1]
     neg = (states @ emb[negatives].T).masked_fill(negatives[None, :] == targets[:, None], float("-inf"))  # [P, S]
     return F.cross_entropy(torch.cat([pos, neg], 1), torch.zeros_like(targets))

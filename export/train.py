@@ -55,8 +55,7 @@ def parse_args(argv=None):
     p.add_argument("--dense-negatives", type=int, default=0,
                    help="sampled softmax for the dense head with this many shared uniform negatives (0: whole catalog)")
     p.add_argument("--dense-temperature", type=float, default=0.0,
-                   help="> 0: the dense loss scores cosine similarity / this temperature (0: dot product); "
-                        "the evaluation's dense diagnostic stays the dot product")
+                   help="> 0: the dense head scores cosine similarity / this temperature (0: dot product)")
     p.add_argument("--ranker-negatives", type=int, default=64, help="sampled negatives per ranker positive")
     p.add_argument("--valid-users", type=int, default=2000,
                    help="users in the per-epoch validation check (a fixed random sample)")
@@ -82,6 +81,7 @@ def main(argv=None):
         codebook_sizes=tuple(args.codebook or preset["codebook"]) + (1,),
         shared_kv_projection=args.shared_kv,
         ranker_negatives=args.ranker_negatives,
+        dense_temperature=args.dense_temperature,
     )
     tcfg = TrainConfig(
         epochs=args.epochs or preset["epochs"],
@@ -92,8 +92,7 @@ def main(argv=None):
         stochastic_length_alpha=args.alpha,
         ranker_weight=args.ranker_weight,
         seed=args.seed,
-        extra={"dense_weight": args.dense_weight, "dense_negatives": args.dense_negatives,
-               "dense_temperature": args.dense_temperature},
+        extra={"dense_weight": args.dense_weight, "dense_negatives": args.dense_negatives},
     )
     print(f"{data.name}: {data.num_users} users, {data.num_items} items, {len(data.items)} events")
     model = build_model(data, cfg, seed=args.seed)

@@ -11,6 +11,7 @@ from typing import Sequence
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from backend_src.config import DecodeOptions, ModelConfig
@@ -106,10 +107,20 @@ class GenerativeRecommender(nn.Module):
     def retrieve(self, cache: HistoryCache, options: DecodeOptions) -> BeamResult:
         return generate(self.decoder, self.codebook, cache.states, cache.lengths, options)
 
+    def dense_operands(self, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(query [..., D], item table [I+1, D]) whose products are the dense head's scores:
+        state . E_item, or cos(state, E_item) / cfg.dense_temperature when that is > 0."""
+        emb = self.backbone.item_embedding.weight
+        t = self.cfg.dense_temperature
+        if t > 0:
+            return F.normalize(states, dim=-1) / t, F.normalize(emb, dim=-1)
+        return states, emb
+
     def dense_scores(self, states: torch.Tensor) -> torch.Tensor:
-        """states [..., D] -> [..., I+1] scores of every item by the dense auxiliary head,
-        state . E_item (item 0, the padding row, scores -inf)."""
-        scores = states @ self.backbone.item_embedding.weight.T
+        """states [..., D] -> [..., I+1] scores of every item by the dense auxiliary head
+        (item 0, the padding row, scores -inf)."""
+        query, emb = self.dense_operands(states)
+        scores = query @ emb.T
         scores[..., 0] = float("-inf")
         return scores
 
