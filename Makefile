@@ -4,7 +4,11 @@ DATA        ?= synthetic
 RUNS        ?= runs
 LOCUST_VENV ?= .venv-locust
 export PATH := $(CURDIR)/.venv/bin:$(PATH)
-export OMP_WAIT_POLICY ?= PASSIVE
+# OpenMP's wait policy: a process alone on the cores (training, the offline benchmarks) runs fastest
+# with the runtime's default (an idle thread spins briefly, then sleeps); where processes share the
+# cores (tests and the demo beside a tritonserver, the served benchmark) idle threads must sleep at
+# once, or they take the cores the others need. Both measured: perf/results/omp_wait_policy.txt
+SHARED_CORES := OMP_WAIT_POLICY=PASSIVE
 # glibc keeps freed memory for reuse (no first-touch page faults on every large tensor);
 # the same settings as the server's CPU_RUNTIME_ENV
 export MALLOC_MMAP_THRESHOLD_ ?= 33554432
@@ -30,14 +34,14 @@ $(LOCUST_VENV)/.installed: perf/locust_requirements.txt
 
 ## test: unit, kernel (Triton interpreter) and integration tests against a real tritonserver
 test: setup
-	$(PY) -m pytest -q tests
+	$(SHARED_CORES) $(PY) -m pytest -q tests
 
 test-fast: setup
-	$(PY) -m pytest -q tests -m "not server"
+	$(SHARED_CORES) $(PY) -m pytest -q tests -m "not server"
 
 ## demo: train a small model on $(DATA), publish it, serve it, query it over gRPC, shut down
 demo: setup
-	$(PY) -m clients.demo --data $(DATA) --dir $(RUNS)/demo
+	$(SHARED_CORES) $(PY) -m clients.demo --data $(DATA) --dir $(RUNS)/demo
 
 ## bench: offline benchmarks (decode, ranking, caching), then the served ones (perf_analyzer, locust)
 bench: bench-offline bench-served
@@ -60,7 +64,7 @@ $(RUNS)/bench/model.pt: | setup
 		--valid-users 50 --test-users 50 --out $@
 
 bench-served: setup $(LOCUST_VENV)/.installed $(BENCH_MODEL)
-	$(PY) -m perf.served --checkpoint $(BENCH_MODEL) --data ml-1m $(BENCH_USERS) --beam-width 100 --pfa-k 256 \
+	$(SHARED_CORES) $(PY) -m perf.served --checkpoint $(BENCH_MODEL) --data ml-1m $(BENCH_USERS) --beam-width 100 --pfa-k 256 \
 		$(if $(QUICK),--quick) --locust --locust-bin $(LOCUST_VENV)/bin/locust --out perf/results/served_ml1m.json
 	$(PY) -m perf.report
 

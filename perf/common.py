@@ -46,7 +46,7 @@ def save_result(path: Path, rows: list[dict], module: str, argv, load_start, **e
     """Write a benchmark's result file with the command that reproduces it and the host's load
     and CPU runtime settings around the run."""
     extra.update(host_load_start=load_start, host_load_end=host_load(),
-                 omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"))
+                 omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", "runtime default"))
     blob = write_result(path, rows, command=command(module, argv), **extra)
     log(f"wrote {path}")
     return blob

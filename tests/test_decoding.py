@@ -96,6 +96,43 @@ def test_state_space_attention_equals_projected(shared):
         torch.testing.assert_close(dec.attend_states(q, states, lengths, t), want, rtol=1e-4, atol=1e-5)
 
 
+SPARSE_SIZES = (4, 40, 32)  # levels 1 and 2 have short lists of continuations (kids tables)
+
+
+def test_continuations_list_exactly_the_valid_codes():
+    cb = _codebook(sizes=SPARSE_SIZES)
+    listed = 0
+    for t in range(4):
+        prefix = torch.arange(-1, cb.child(t).shape[0])
+        codes, bias = cb.continuations(prefix, t)
+        if codes is None:  # a dense level: all codes, constrained by the additive bias
+            assert torch.equal(bias, cb.code_bias(prefix, t))
+            continue
+        listed += 1
+        assert codes.shape[1] <= cb.child(t).shape[1] // 2
+        assert (bias[0] == 0).all()  # dead prefix: finite row (its beam carries -inf)
+        valid = cb.valid_mask(prefix[1:], t)
+        for p in range(valid.shape[0]):
+            kept = codes[1 + p][bias[1 + p] == 0]
+            assert sorted(kept.tolist()) == valid[p].nonzero().squeeze(1).tolist()
+    assert listed == 2
+
+
+def test_listed_continuations_decode_like_all_codes():
+    """Scoring only the listed codes equals scoring all codes with -inf on the invalid ones."""
+    cb = _codebook(sizes=SPARSE_SIZES)
+    dec = _decoder(cb)
+    states, lengths = _history(B=4, N=10)
+    for mode in ("full", "pfa"):
+        opts = DecodeOptions(mode=mode, beam_width=7, k=4, r=0.5)
+        listed = generate(dec, cb, states, lengths, opts)
+        dense = SemanticIdCodebook.from_codes(cb.codes)
+        dense.kids_1 = dense.kids_2 = None  # every level scores all its codes
+        dense_res = generate(dec, dense, states, lengths, opts)
+        assert torch.equal(listed.item_ids, dense_res.item_ids), mode
+        assert torch.allclose(listed.log_probs, dense_res.log_probs, atol=1e-5), mode
+
+
 def test_code_bias_matches_valid_mask():
     cb = _codebook()
     for t in range(4):
@@ -193,10 +230,12 @@ def _slow_pfa(dec, cb, states, lengths, W, k, r, s):
 
 
 @pytest.mark.parametrize(
-    "seed,s,k,r", [(0, 1, 5, 0.5), (1, 1, 3, 0.3), (2, 0, 6, 0.5), (3, 2, 4, 0.5), (4, 1, 20, 1.0)]
+    "seed,s,k,r,sizes",
+    [(0, 1, 5, 0.5, (4, 3, 3)), (1, 1, 3, 0.3, (4, 3, 3)), (2, 0, 6, 0.5, (4, 3, 3)), (3, 2, 4, 0.5, (4, 3, 3)),
+     (4, 1, 20, 1.0, (4, 3, 3)), (5, 1, 5, 0.5, SPARSE_SIZES)],
 )
-def test_pfa_matches_slow_reference(seed, s, k, r):
-    cb = _codebook(n=60, seed=seed)
+def test_pfa_matches_slow_reference(seed, s, k, r, sizes):
+    cb = _codebook(n=60, seed=seed, sizes=sizes)
     dec = _decoder(cb, seed=seed)
     states, lengths = _history(B=3, N=10, seed=seed)
     W = 5

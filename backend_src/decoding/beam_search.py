@@ -100,7 +100,8 @@ def generate(decoder, codebook, states: torch.Tensor, lengths: torch.Tensor, opt
                     kept = dict.fromkeys(range(t + 1, T), (ops.gather_rows(K, order), ops.gather_rows(V, order)))
                 else:
                     kept_states = ops.gather_rows(states, order)  # [B, k, D]
-                    kept = {u: decoder.project_step(kept_states, u) for u in range(t + 1, T)}
+                    # (step u reads only its first k_u rows: project just those)
+                    kept = {u: decoder.project_step(kept_states[:, : options.budget(u)], u) for u in range(t + 1, T)}
             else:
                 kt = options.budget(t)  # a prefix of the importance-sorted block
                 K, V = kept[t]
@@ -124,13 +125,16 @@ def generate(decoder, codebook, states: torch.Tensor, lengths: torch.Tensor, opt
         else:
             raise ValueError(f"unknown mode {mode!r}")
 
-        logits = decoder.head(x, attn, t)  # [B, Wt, C_t]
-        C = logits.shape[-1]
-        # log_softmax over the codes that continue an existing item (a live prefix always has one)
-        step_lp = torch.log_softmax(logits.float() + codebook.code_bias(prefix, t), dim=-1)
-        scores = step_lp.add_(beam_lp[:, :, None]).reshape(B, Wt * C)  # + the beam's score
-        beam_lp, idx = torch.topk(scores, min(W, Wt * C), dim=1)  # sorted, best first
-        parent, code = idx // C, idx % C
+        # the codes that continue an existing item (a live prefix always has one): [B, Wt, M]
+        # lists where the level's lists are short, else all C_t codes with -inf on the others
+        kids, bias = codebook.continuations(prefix, t)
+        logits = decoder.head(x, attn, t, codes=kids)  # [B, Wt, M]
+        M = logits.shape[-1]
+        step_lp = torch.log_softmax(logits.float() + bias, dim=-1)
+        scores = step_lp.add_(beam_lp[:, :, None]).reshape(B, Wt * M)  # + the beam's score
+        beam_lp, idx = torch.topk(scores, min(W, Wt * M), dim=1)  # sorted, best first
+        parent = idx // M
+        code = idx % M if kids is None else torch.gather(kids.reshape(B, Wt * M), 1, idx)
         alive = beam_lp > NEG_INF
         prefix = codebook.advance(torch.gather(prefix, 1, parent), code, t)
         prefix = torch.where(alive, prefix, torch.full_like(prefix, -1))

@@ -102,13 +102,14 @@ class SemanticIdDecoder(nn.Module):
         q = self.q_proj[step](self.q_norm(x))
         return x, q.view(*q.shape[:-1], self.num_heads, self.head_dim)
 
-    def head(self, x: torch.Tensor, attn: torch.Tensor, step: int) -> torch.Tensor:
+    def head(self, x: torch.Tensor, attn: torch.Tensor, step: int, codes: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, M, D] query input, attn [B, M, H, dh] attention output over unbiased values
-        -> logits [B, M, C_t]."""
+        -> logits [B, M, C_t] over all codes, or [B, M, K] of codes [B, M, K] only."""
         b_v = self.kv_proj[0 if self.shared_kv_projection else step].bias[self.d_model:]
         z = x + self.o_proj[step](attn.reshape(*attn.shape[:-2], self.d_model) + b_v)
         z = z + self.mlp[step](self.mlp_norm[step](z))
-        return self.out[step](self.out_norm[step](z))
+        logits = self.out[step](self.out_norm[step](z))
+        return logits if codes is None else torch.gather(logits, -1, codes)
 
     # ---- training: teacher forcing at every history position -------------------------------------
     def training_logits(

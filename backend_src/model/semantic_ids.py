@@ -292,16 +292,34 @@ class SemanticIdCodebook(nn.Module):
         leaf = torch.zeros(num_prefixes, dtype=torch.long)
         leaf[prefix] = torch.arange(1, n + 1)
         self.register_buffer("leaf_item", leaf)
-        self._build_code_bias()
+        self._build_decode_tables()
 
-    def _build_code_bias(self):
-        """Derived (not saved) tables bias_t [P_t + 1, C_t]: 0 where (prefix, code) continues
-        an item, -inf where not; the extra last row, which prefix id -1 indexes, is all 0."""
+    def _build_decode_tables(self):
+        """Derived (not saved) decoding tables of every level t:
+          bias_t [P_t + 1, C_t]  0 where (prefix, code) continues an item, -inf where not; the
+                                 extra last row, which prefix id -1 indexes, is all 0
+          kids_t [P_t + 1, M_t]  the codes that continue each prefix, padded to the level's
+                                 largest count M_t (pads and the dead row's entries are codes
+                                 0..M_t-1), with kid_bias_t [P_t + 1, M_t] = 0 / -inf for pads;
+                                 built only where M_t <= C_t / 2, else None (dense is cheaper)"""
         for t in range(NUM_LEVELS):
             child = self.child(t)
+            valid = child >= 0
             bias = torch.zeros(child.shape[0] + 1, child.shape[1], device=child.device)
-            bias[:-1].masked_fill_(child < 0, float("-inf"))
+            bias[:-1].masked_fill_(~valid, float("-inf"))
             self.register_buffer(f"bias_{t}", bias, persistent=False)
+            width = int(valid.sum(1).max()) if child.numel() else 0
+            kids = kid_bias = None
+            if 0 < width <= child.shape[1] // 2:
+                # valid codes first (ascending), then the rest: the first M_t columns hold them all
+                kids = torch.sort((~valid).to(torch.int8), dim=1, stable=True).indices[:, :width]
+                pad = ~torch.gather(valid, 1, kids)
+                dead = torch.arange(width, device=child.device)[None, :]
+                kids = torch.cat([kids, dead])
+                kid_bias = torch.zeros(kids.shape, device=child.device)
+                kid_bias[:-1].masked_fill_(pad, float("-inf"))
+            self.register_buffer(f"kids_{t}", kids, persistent=False)
+            self.register_buffer(f"kid_bias_{t}", kid_bias, persistent=False)
 
     # ---- construction -----------------------------------------------------------------------
     @classmethod
@@ -331,7 +349,7 @@ class SemanticIdCodebook(nn.Module):
             if key in state_dict and state_dict[key].shape != self._buffers[name].shape:
                 self._buffers[name] = torch.empty_like(state_dict[key], device=self._buffers[name].device)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-        self._build_code_bias()
+        self._build_decode_tables()
 
     # ---- queries ----------------------------------------------------------------------------
     @property
@@ -361,6 +379,18 @@ class SemanticIdCodebook(nn.Module):
         table = getattr(self, f"bias_{level}")
         # a row gather (index_select) is several times faster on CPU than advanced indexing
         return F.embedding(prefix_ids % table.shape[0], table)  # -1 -> the last (all-0) row
+
+    def continuations(self, prefix_ids: torch.Tensor, level: int):
+        """prefix_ids [...] -> (codes [..., M_t], bias [..., M_t]): the codes that continue each
+        prefix (padded, bias -inf on pads) when level t has a kids table, else (None, code_bias):
+        all C_t codes. A beam step scores only these codes: log-softmax over them equals the
+        log-softmax over all codes with the others at -inf, and the passes over [beams, codes]
+        (log-softmax, beam scores, top-k) shrink from C_t to M_t columns."""
+        kids = getattr(self, f"kids_{level}")
+        if kids is None:
+            return None, self.code_bias(prefix_ids, level)
+        rows = prefix_ids % kids.shape[0]  # -1 -> the dead row
+        return F.embedding(rows, kids), F.embedding(rows, getattr(self, f"kid_bias_{level}"))
 
     def advance(self, prefix_ids: torch.Tensor, codes: torch.Tensor, level: int) -> torch.Tensor:
         """Level-t prefix ids and the next codes -> level-(t+1) prefix ids (-1 if invalid)."""

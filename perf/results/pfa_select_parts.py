@@ -5,7 +5,8 @@ The selection (ops.pfa_select, torch reference) per head: the logits of every be
 the kept K/V rows and attention over them. A full-attention step is one fused SDPA call. Also timed:
 the step's output from the selection's own probabilities (gathered at the kept rows and
 renormalized) instead of attention over the gathered rows. Beam 100, 2 heads of 32; medians of 21
-rounds, all variants side by side per round.
+rounds, all variants side by side per round. Run alone on the machine, with OpenMP's default wait
+policy (as `make bench-offline`):
 
     python perf/results/pfa_select_parts.py > perf/results/pfa_select_parts.txt
 """
@@ -22,10 +23,9 @@ def select_reusing_probs(q, k, v, lengths, beam_weights, keep):
     """pfa_select with the step output taken from the selection's softmax at the kept rows."""
     B, _, _, d = q.shape
     N = k.shape[1]
-    valid = R._row_mask(lengths, N)
-    row_bias = torch.zeros(B, 1, N).masked_fill_(~valid[:, None, :], float("-inf"))
+    valid = R._row_mask(lengths, N)  # every history is full here: no mask pass, as in pfa_select
     qs = q * d**-0.5
-    probs = [torch.softmax(torch.baddbmm(row_bias, qs[:, :, h], k[:, :, h].transpose(1, 2)), -1) for h in range(H)]
+    probs = [torch.softmax(torch.bmm(qs[:, :, h], k[:, :, h].transpose(1, 2)), -1) for h in range(H)]
     scores = sum(torch.bmm((beam_weights / H)[:, None, :], a).squeeze(1) for a in probs)
     order = torch.topk(scores.masked_fill(~valid, float("-inf")), keep, dim=1).indices
     vk = R.gather_rows(v, order)
@@ -45,13 +45,13 @@ def main():
             lengths = torch.full((B,), N)
             bw = torch.softmax(torch.randn(B, W, generator=g), 1)
             qs = q * D**-0.5
-            e = torch.baddbmm(torch.zeros(B, 1, N), qs[:, :, 0], k[:, :, 0].transpose(1, 2))
+            e = torch.bmm(qs[:, :, 0], k[:, :, 0].transpose(1, 2))
             order = torch.topk(torch.randn(B, N, generator=g), KEEP, 1).indices
             kg, vg = R.gather_rows(k, order), R.gather_rows(v, order)
             calls = {
                 "full-attention step (SDPA over N)": lambda: R.decode_attention(q, k, v, lengths),
                 "pfa_select (whole)": lambda: R.pfa_select(q, k, v, lengths, bw, KEEP),
-                "  logits, one head (baddbmm)": lambda: torch.baddbmm(torch.zeros(B, 1, N), qs[:, :, 0], k[:, :, 0].transpose(1, 2)),
+                "  logits, one head (bmm)": lambda: torch.bmm(qs[:, :, 0], k[:, :, 0].transpose(1, 2)),
                 "  softmax, one head": lambda: torch.softmax(e, -1),
                 "  pooling, one head (bmm)": lambda: torch.bmm(bw[:, None, :], e),
                 "  top-k": lambda: torch.topk(e[:, 0], KEEP, 1, sorted=True),
