@@ -123,11 +123,11 @@ def test_listed_continuations_decode_like_all_codes():
     cb = _codebook(sizes=SPARSE_SIZES)
     dec = _decoder(cb)
     states, lengths = _history(B=4, N=10)
+    dense = SemanticIdCodebook.from_codes(cb.codes)
+    dense.kids_1 = dense.kids_2 = None  # every level scores all its codes
     for mode in ("full", "pfa"):
         opts = DecodeOptions(mode=mode, beam_width=7, k=4, r=0.5)
         listed = generate(dec, cb, states, lengths, opts)
-        dense = SemanticIdCodebook.from_codes(cb.codes)
-        dense.kids_1 = dense.kids_2 = None  # every level scores all its codes
         dense_res = generate(dec, dense, states, lengths, opts)
         assert torch.equal(listed.item_ids, dense_res.item_ids), mode
         assert torch.allclose(listed.log_probs, dense_res.log_probs, atol=1e-5), mode
