@@ -149,21 +149,20 @@ def pfa_select(
     """
     B, W, H, d = q.shape
     N = k.shape[1]
-    valid = _row_mask(lengths, N)
-    # rows past a history's end are masked from column `lo` on: on the CPU the shortest length
-    # is read, so a batch of full histories skips the mask pass (a GPU would have to sync)
+    invalid = ~_row_mask(lengths, N)  # [B, N] rows past each history's end
+    # they are masked from column `lo` on: on the CPU the shortest length is read, so a batch of
+    # full histories skips the mask pass (a GPU would have to sync)
     lo = 0 if lengths.is_cuda else int(lengths.min()) if B else N
-    invalid = ~valid[:, None, lo:]
     q_scaled = q * d**-0.5
     pool = (beam_weights / H).to(q.dtype)[:, None, :]  # w_b / H: [B, 1, W]
     scores = None
     for h in range(H):  # per head, K_h [B, N, dh] is read in place (a strided matrix, no copy)
         logits = torch.bmm(q_scaled[:, :, h], k[:, :, h].transpose(1, 2))  # [B, W, N]
         if lo < N:
-            logits[:, :, lo:].masked_fill_(invalid, float("-inf"))
+            logits[:, :, lo:].masked_fill_(invalid[:, None, lo:], float("-inf"))
         part = torch.bmm(pool, torch.softmax(logits, dim=-1)).squeeze(1)  # sum_b w_b / H * a_bhi: [B, N]
         scores = part if scores is None else scores.add_(part)  # s_i
-    scores = scores.masked_fill(~valid, float("-inf"))
+    scores = scores.masked_fill(invalid, float("-inf"))
     keep = min(keep, N)
     order = torch.topk(scores, keep, dim=1, sorted=True).indices  # [B, keep]
     kept_lengths = torch.clamp(lengths, max=keep)

@@ -14,8 +14,11 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "33554432", "MALLOC_TRIM_THRESHOLD_": "4294967296",
-              "MALLOC_TOP_PAD_": "268435456"}
+sys.path.insert(0, str(ROOT))
+from backend_src.serving.server import CPU_RUNTIME_ENV  # noqa: E402
+
+# the glibc settings of the server and the Makefile; the wait policy is what this script varies
+MALLOC_ENV = {key: value for key, value in CPU_RUNTIME_ENV.items() if key.startswith("MALLOC_")}
 CHILD = """
 import time, torch
 from backend_src.config import DecodeOptions
@@ -38,7 +41,7 @@ print(f"full {med['full']:.1f} ms, pfa {med['pfa']:.1f} ms, full/pfa {med['full'
 
 def run(policy: str | None, processes: int) -> list[str]:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    for key, value in MALLOC_ENV.items():  # the Makefile's glibc settings
+    for key, value in MALLOC_ENV.items():
         env.setdefault(key, value)
     env.pop("OMP_WAIT_POLICY", None)
     if policy:
