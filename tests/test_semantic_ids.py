@@ -135,11 +135,25 @@ def _toy_sequences():
 
 def test_collaborative_embeddings_groups_co_occurring_items():
     data = _toy_sequences()
-    e = collaborative_embeddings(data, 6, dim=4, window=2)
+    e = collaborative_embeddings(data.offsets, data.items, 6, dim=4, window=2)
     assert e.shape == (6, 4)
     e = e / e.norm(dim=1, keepdim=True).clamp_min(1e-9)
     sim = e @ e.T
     assert sim[0, 1] > sim[0, 4] and sim[3, 4] > sim[3, 1]
+
+
+def test_item_embeddings_never_see_validation_or_test_events():
+    """The tokenizer is fit before training: each user's last two events (the validation and
+    test targets) must not move the collaborative embeddings, while the earlier events do."""
+    data = _toy_sequences()
+    base = build_item_embeddings(data, dim=4)
+    held_out = np.concatenate([np.arange(e - 2, e) for e in data.offsets[1:]])
+    changed = SimpleNamespace(**vars(data))
+    changed.items = data.items.copy()
+    changed.items[held_out] = 7 - changed.items[held_out]  # other items in the targets' place
+    assert torch.equal(build_item_embeddings(changed, dim=4), base)
+    changed.items[0] = 6  # a training event
+    assert not torch.equal(build_item_embeddings(changed, dim=4), base)
 
 
 def test_build_item_embeddings_and_codebook_build():

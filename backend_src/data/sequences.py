@@ -179,9 +179,18 @@ def pad_histories(histories: Sequence[tuple], max_len: int, pad_to_max: bool = F
                  users=np.full(B, -1, dtype=np.int64) if users is None else np.asarray(users))
 
 
+def training_events(data: SequenceData, end_offset: int = 2) -> tuple[np.ndarray, np.ndarray]:
+    """Each user's events but the last end_offset (validation and test targets) -> CSR
+    (offsets [U+1], items [E']): what anything fit on the data before training may see.
+    `data` needs only CSR offsets and items."""
+    offsets, items = np.asarray(data.offsets), np.asarray(data.items)
+    lengths = np.diff(offsets)
+    pos = np.arange(len(items)) - np.repeat(offsets[:-1], lengths)
+    train = pos < np.repeat(lengths - end_offset, lengths)
+    kept = np.maximum(lengths - end_offset, 0)
+    return np.concatenate([[0], np.cumsum(kept)]).astype(np.int64), items[train]
+
+
 def item_popularity(data: SequenceData, end_offset: int = 2) -> np.ndarray:
     """[I+1] int64 count of each item over training events (all but the last end_offset per user)."""
-    lengths = data.lengths
-    pos = np.arange(data.num_events) - np.repeat(data.offsets[:-1], lengths)
-    train = pos < np.repeat(lengths - end_offset, lengths)
-    return np.bincount(data.items[train], minlength=data.num_items + 1).astype(np.int64)
+    return np.bincount(training_events(data, end_offset)[1], minlength=data.num_items + 1).astype(np.int64)

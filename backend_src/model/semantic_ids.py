@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from backend_src.data.sequences import training_events
+
 NUM_LEVELS = 4  # 3 k-means levels + 1 collision code
 
 
@@ -164,15 +166,15 @@ def text_embeddings(texts: list[str], dim: int = 64, seed: int = 0) -> torch.Ten
 
 
 def collaborative_embeddings(
-    sequences, num_items: int, dim: int = 64, window: int = 5, seed: int = 0
+    offsets, items, num_items: int, dim: int = 64, window: int = 5, seed: int = 0
 ) -> torch.Tensor:
     """Item co-occurrence within `window` events of the same user, PPMI, truncated SVD.
 
-    sequences: anything with CSR `offsets` [U+1] and `items` [E] (item indices 1..num_items).
+    offsets [U+1], items [E]: users' events in CSR form (item indices 1..num_items).
     Returns [num_items, dim] for items 1..num_items (row i-1 = item i).
     """
-    offsets = torch.as_tensor(np.asarray(sequences.offsets), dtype=torch.long)
-    items = torch.as_tensor(np.asarray(sequences.items), dtype=torch.long) - 1  # 0-based
+    offsets = torch.as_tensor(np.asarray(offsets), dtype=torch.long)
+    items = torch.as_tensor(np.asarray(items), dtype=torch.long) - 1  # 0-based
     e = items.numel()
     user = torch.repeat_interleave(torch.arange(offsets.numel() - 1), offsets[1:] - offsets[:-1])
     src, dst = [], []
@@ -229,7 +231,9 @@ def build_item_embeddings(
     """Item embeddings [I, D'] for items 1..I: text when data.item_text exists, otherwise
     collaborative; attribute features (weighted) appended when data.item_attributes exists.
 
-    `data` is any object with offsets, items, num_items, item_text, item_attributes.
+    `data` is any object with offsets, items, num_items, item_text, item_attributes. The
+    collaborative embeddings count co-occurrences in training events only: each user's last two
+    events are the validation and test targets, which the item tokenizer must not have seen.
     A tiny seeded jitter separates items with identical embeddings (e.g. items never seen
     together with others) so k-means does not pile them all into one collision group.
     """
@@ -239,7 +243,8 @@ def build_item_embeddings(
         texts = [item_text.get(i, "") or "" for i in range(1, num_items + 1)]
         emb = _unit_rows(text_embeddings(texts, dim, seed))
     else:
-        emb = _unit_rows(collaborative_embeddings(data, num_items, dim, window, seed))
+        offsets, items = training_events(data)
+        emb = _unit_rows(collaborative_embeddings(offsets, items, num_items, dim, window, seed))
     attrs = getattr(data, "item_attributes", None)
     if attrs:
         feats = _unit_rows(attribute_features(attrs, num_items, dim, seed))
