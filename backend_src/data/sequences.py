@@ -185,10 +185,9 @@ def training_events(data: SequenceData, end_offset: int = 2) -> tuple[np.ndarray
     `data` needs only CSR offsets and items."""
     offsets, items = np.asarray(data.offsets), np.asarray(data.items)
     lengths = np.diff(offsets)
-    pos = np.arange(len(items)) - np.repeat(offsets[:-1], lengths)
-    train = pos < np.repeat(lengths - end_offset, lengths)
-    kept = np.maximum(lengths - end_offset, 0)
-    return np.concatenate([[0], np.cumsum(kept)]).astype(np.int64), items[train]
+    kept = np.maximum(lengths - end_offset, 0)  # training events per user
+    pos = np.arange(len(items)) - np.repeat(offsets[:-1], lengths)  # each event's place in its user's list
+    return np.concatenate([[0], np.cumsum(kept)]).astype(np.int64), items[pos < np.repeat(kept, lengths)]
 
 
 def item_popularity(data: SequenceData, end_offset: int = 2) -> np.ndarray:
