@@ -53,8 +53,9 @@ class TrainState:
     best_metric: float = -1.0
 
 
-def build_model(data, cfg: ModelConfig, embedding_dim: int = 64, seed: int = 0) -> GenerativeRecommender:
-    codebook = SemanticIdCodebook.build(data, cfg, dim=embedding_dim, seed=seed)
+def build_model(data, cfg: ModelConfig, embedding_dim: int = 64, seed: int = 0, end_offset: int = 2) -> GenerativeRecommender:
+    """A fresh model whose semantic IDs are fit on each user's events but the last end_offset."""
+    codebook = SemanticIdCodebook.build(data, cfg, dim=embedding_dim, seed=seed, end_offset=end_offset)
     cfg.codebook_sizes = tuple(int(c) for c in codebook.codebook_sizes)
     torch.manual_seed(seed)
     return GenerativeRecommender(cfg, codebook, data.item_ids)
@@ -130,7 +131,8 @@ def train(
         n = 0
         # large shuffled batches re-split by length: short histories don't pay for long ones' padding
         chunk = train_batches(
-            data, tcfg.batch_size * 16, model.cfg.max_seq_len, rng, stochastic_length_alpha=tcfg.stochastic_length_alpha
+            data, tcfg.batch_size * 16, model.cfg.max_seq_len, rng,
+            stochastic_length_alpha=tcfg.stochastic_length_alpha, end_offset=tcfg.end_offset,
         )
         bar = tqdm(
             length_bucketed(chunk, tcfg.batch_size, rng),

@@ -3,7 +3,12 @@
     python -m export.train --data amazon-beauty --out runs/beauty/model.pt --minutes 25
 
 Builds the semantic IDs, trains with a validation check after every epoch (keeping the best
-checkpoint), then evaluates on the test split over the full catalog and writes a result file.
+checkpoint), chooses the served order's fusion weight on validation, then evaluates on the test
+split over the full catalog and writes a result file.
+
+--refit --fusion-weight W (or the validation run's checkpoint): the final fit of a recipe chosen on validation. Every event but each
+user's test target is trained on (the validation targets too, as the HSTU public code trains);
+there is no validation left, so the run keeps its last epoch and takes W from the validation run.
 """
 from __future__ import annotations
 
@@ -64,7 +69,22 @@ def parse_args(argv=None):
     p.add_argument("--beam", type=int, default=100)
     p.add_argument("--results", default=None, help="result JSON (default: next to the checkpoint)")
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+    p.add_argument("--refit", action="store_true",
+                   help="train on validation targets too (only the test target held out); keep the last epoch")
+    p.add_argument("--fusion-weight", default=None,
+                   help="the served order's ranker weight (required with --refit): a number, or the checkpoint "
+                        "of the validation run that chose it")
+    args = p.parse_args(argv)
+    if args.refit and args.fusion_weight is None:
+        p.error("--refit has no validation split to choose the fusion weight on: give --fusion-weight")
+    if args.fusion_weight is not None:
+        try:
+            args.fusion_weight = float(args.fusion_weight)
+        except ValueError:
+            if not Path(args.fusion_weight).is_file():
+                p.error(f"--fusion-weight: {args.fusion_weight!r} is neither a number nor a checkpoint file")
+            args.fusion_weight = GenerativeRecommender.load(args.fusion_weight).cfg.rank_fusion_weight
+    return args
 
 
 def main(argv=None):
@@ -83,6 +103,8 @@ def main(argv=None):
         ranker_negatives=args.ranker_negatives,
         dense_temperature=args.dense_temperature,
     )
+    if args.fusion_weight is not None:
+        cfg.rank_fusion_weight = args.fusion_weight
     tcfg = TrainConfig(
         epochs=args.epochs or preset["epochs"],
         batch_size=args.batch_size,
@@ -91,11 +113,12 @@ def main(argv=None):
         weight_decay=args.weight_decay,
         stochastic_length_alpha=args.alpha,
         ranker_weight=args.ranker_weight,
+        end_offset=1 if args.refit else 2,
         seed=args.seed,
         extra={"dense_weight": args.dense_weight, "dense_negatives": args.dense_negatives},
     )
     print(f"{data.name}: {data.num_users} users, {data.num_items} items, {len(data.items)} events")
-    model = build_model(data, cfg, seed=args.seed)
+    model = build_model(data, cfg, seed=args.seed, end_offset=tcfg.end_offset)
     print(f"semantic IDs: codebook sizes {cfg.codebook_sizes}")
     print(f"parameters: {sum(p.numel() for p in model.parameters()):,}")
     valid_opts = DecodeOptions(mode="full", beam_width=min(args.beam, 50))
@@ -109,10 +132,11 @@ def main(argv=None):
         print("  valid ndcg@10:", json.dumps(summary))
         return max(r["retrieval/seen_included"]["ndcg@10"], r["ranked/seen_included"]["ndcg@10"])
 
-    state = train(model, data, tcfg, minutes=args.minutes, evaluate_fn=valid_metric, checkpoint_path=args.out)
+    state = train(model, data, tcfg, minutes=args.minutes, evaluate_fn=None if args.refit else valid_metric,
+                  checkpoint_path=args.out)
     best = GenerativeRecommender.load(args.out)
     test_opts = DecodeOptions(mode="pfa", beam_width=args.beam)
-    if args.ranker_weight > 0:
+    if args.ranker_weight > 0 and args.fusion_weight is None:
         print(f"rank fusion weight (validation): {tune_fusion(best, data, args.out, test_opts):g}")
     test = evaluate(best, data, "test", test_opts, max_users=args.test_users)
     rows = result_rows(data.name, test, "pfa")

@@ -277,15 +277,16 @@ def test_eval_batches_leave_one_out(syn):
     assert sub.users.tolist() == [5, 3] and sub.items.shape == (2, 4)
 
 
-def test_train_batches_shift_and_padding(syn):
+@pytest.mark.parametrize("end_offset", [2, 1])  # 1: a refit trains on the validation targets too
+def test_train_batches_shift_and_padding(syn, end_offset):
     max_len = 12
     rows = 0
-    for batch in train_batches(syn, batch_size=50, max_len=max_len, rng=0):
+    for batch in train_batches(syn, batch_size=50, max_len=max_len, rng=0, end_offset=end_offset):
         B, N = batch.items.shape
         assert N == int(batch.lengths.max()) <= max_len
         for b, u in enumerate(batch.users):
             items, _, _ = syn.user_events(u)
-            train = items[: len(items) - 2]
+            train = items[: len(items) - end_offset]
             n = min(len(train) - 1, max_len)
             assert batch.lengths[b] == n
             window = train[-(n + 1):]
@@ -293,7 +294,7 @@ def test_train_batches_shift_and_padding(syn):
             assert batch.targets[b, :n].tolist() == window[1:].tolist()  # shifted by one
             assert (batch.items[b, n:] == 0).all() and (batch.targets[b, n:] == 0).all()
         rows += B
-    assert rows == int((syn.lengths - 2 >= 2).sum())
+    assert rows == int((syn.lengths - end_offset >= 2).sum())
     # shuffling is seeded; no shuffle = user order
     a = [b.users.tolist() for b in train_batches(syn, 64, 8, rng=3)]
     assert a == [b.users.tolist() for b in train_batches(syn, 64, 8, rng=3)]

@@ -142,18 +142,21 @@ def test_collaborative_embeddings_groups_co_occurring_items():
     assert sim[0, 1] > sim[0, 4] and sim[3, 4] > sim[3, 1]
 
 
-def test_item_embeddings_never_see_validation_or_test_events():
-    """The tokenizer is fit before training: each user's last two events (the validation and
-    test targets) must not move the collaborative embeddings, while the earlier events do."""
+@pytest.mark.parametrize("end_offset", [2, 1])
+def test_item_embeddings_never_see_validation_or_test_events(end_offset):
+    """The tokenizer is fit before training: each user's last end_offset events (2: the
+    validation and test targets; 1: a refit's test target) must not move the collaborative
+    embeddings, while the earlier events do."""
     data = _toy_sequences()
-    base = build_item_embeddings(data, dim=4)
-    held_out = np.concatenate([np.arange(e - 2, e) for e in data.offsets[1:]])
+    base = build_item_embeddings(data, dim=4, end_offset=end_offset)
+    held_out = np.concatenate([np.arange(e - end_offset, e) for e in data.offsets[1:]])
     changed = SimpleNamespace(**vars(data))
     changed.items = data.items.copy()
     changed.items[held_out] = 7 - changed.items[held_out]  # other items in the targets' place
-    assert torch.equal(build_item_embeddings(changed, dim=4), base)
-    changed.items[0] = 6  # a training event
-    assert not torch.equal(build_item_embeddings(changed, dim=4), base)
+    assert torch.equal(build_item_embeddings(changed, dim=4, end_offset=end_offset), base)
+    trained = 0 if end_offset == 2 else data.offsets[1] - 2  # a training event (for the refit: a validation target)
+    changed.items[trained] = 7 - changed.items[trained]
+    assert not torch.equal(build_item_embeddings(changed, dim=4, end_offset=end_offset), base)
 
 
 def test_build_item_embeddings_and_codebook_build():

@@ -226,14 +226,15 @@ def _unit_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def build_item_embeddings(
-    data, dim: int = 64, window: int = 5, attribute_weight: float = 0.5, seed: int = 0
+    data, dim: int = 64, window: int = 5, attribute_weight: float = 0.5, seed: int = 0, end_offset: int = 2
 ) -> torch.Tensor:
     """Item embeddings [I, D'] for items 1..I: text when data.item_text exists, otherwise
     collaborative; attribute features (weighted) appended when data.item_attributes exists.
 
     `data` is any object with offsets, items, num_items, item_text, item_attributes. The
-    collaborative embeddings count co-occurrences in training events only: each user's last two
-    events are the validation and test targets, which the item tokenizer must not have seen.
+    collaborative embeddings count co-occurrences in training events only: each user's last
+    end_offset events (2: the validation and test targets; 1: a refit's test target) are held
+    out, and the item tokenizer must not have seen them.
     A tiny seeded jitter separates items with identical embeddings (e.g. items never seen
     together with others) so k-means does not pile them all into one collision group.
     """
@@ -243,7 +244,7 @@ def build_item_embeddings(
         texts = [item_text.get(i, "") or "" for i in range(1, num_items + 1)]
         emb = _unit_rows(text_embeddings(texts, dim, seed))
     else:
-        offsets, items = training_events(data)
+        offsets, items = training_events(data, end_offset)
         emb = _unit_rows(collaborative_embeddings(offsets, items, num_items, dim, window, seed))
     attrs = getattr(data, "item_attributes", None)
     if attrs:
@@ -337,13 +338,15 @@ class SemanticIdCodebook(nn.Module):
 
     @classmethod
     def build(
-        cls, data, cfg=None, dim: int = 64, iters: int = 25, seed: int = 0, embeddings: torch.Tensor | None = None
+        cls, data, cfg=None, dim: int = 64, iters: int = 25, seed: int = 0, embeddings: torch.Tensor | None = None,
+        end_offset: int = 2,
     ) -> "SemanticIdCodebook":
-        """Embeddings of the items of `data` -> 3 residual k-means levels (sizes from
-        cfg.codebook_sizes[:3], default 256 each) -> collision code -> codebook."""
+        """Embeddings of the items of `data` (fit on each user's events but the last end_offset)
+        -> 3 residual k-means levels (sizes from cfg.codebook_sizes[:3], default 256 each)
+        -> collision code -> codebook."""
         sizes = tuple(cfg.codebook_sizes[:3]) if cfg is not None else (256, 256, 256)
         if embeddings is None:
-            embeddings = build_item_embeddings(data, dim=dim, seed=seed)
+            embeddings = build_item_embeddings(data, dim=dim, seed=seed, end_offset=end_offset)
         codes3 = residual_kmeans(embeddings, sizes, iters=iters, seed=seed)
         return cls(assign_collision_codes(codes3))
 
