@@ -15,7 +15,7 @@ export MALLOC_MMAP_THRESHOLD_ ?= 33554432
 export MALLOC_TRIM_THRESHOLD_ ?= 4294967296
 export MALLOC_TOP_PAD_ ?= 268435456
 
-.PHONY: setup test test-fast demo bench bench-offline bench-served bench-gpu check-triton36 train-beauty train-beauty-refit train-ml1m ablation-ml1m clean
+.PHONY: setup test test-fast demo bench bench-offline bench-served bench-gpu check-triton36 train-beauty train-beauty-refit baselines-beauty train-ml1m ablation-ml1m clean
 
 ## setup: the pinned environment (torch 2.13.0 CPU build, Triton server 2.51 from nvidia-pytriton)
 setup: .venv/.installed
@@ -92,6 +92,15 @@ train-beauty-refit: setup $(RUNS)/beauty/model.pt
 	$(PY) -m export.train $(BEAUTY_RECIPE) --refit --fusion-weight $(RUNS)/beauty/model.pt --out $(RUNS)/beauty-refit/model.pt
 	$(PY) -m export.evaluate --checkpoint $(RUNS)/beauty-refit/model.pt --data amazon-beauty \
 		--out perf/results/quality_beauty_refit.json
+
+## baselines-beauty: popularity; SASRec, its epoch chosen on validation; then its final fit for that many epochs
+SASREC_BEAUTY := perf/results/baseline_sasrec_beauty_28min.json
+baselines-beauty: setup
+	$(PY) -m export.baselines --data amazon-beauty --model popularity --threads 1 --out perf/results/baseline_popularity_beauty.json
+	$(PY) -m export.baselines --data amazon-beauty --model sasrec --epochs 200 --minutes 28 --out $(SASREC_BEAUTY)
+	$(PY) -m export.baselines --data amazon-beauty --model sasrec --refit --minutes 60 \
+		--epochs $$($(PY) -c "import json; print(json.load(open('$(SASREC_BEAUTY)'))['details']['best_epoch'])") \
+		--out perf/results/baseline_sasrec_beauty_refit.json
 
 train-ml1m: setup
 	$(PY) -m export.train --data ml-1m --max-len 512 --alpha 1.6 --batch-size 64 --lr 2e-3 --valid-users 600 \
