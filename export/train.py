@@ -6,9 +6,10 @@ Builds the semantic IDs, trains with a validation check after every epoch (keepi
 checkpoint), chooses the served order's fusion weight on validation, then evaluates on the test
 split over the full catalog and writes a result file.
 
---refit --fusion-weight W (or the validation run's checkpoint): the final fit of a recipe chosen on validation. Every event but each
-user's test target is trained on (the validation targets too, as the HSTU public code trains);
-there is no validation left, so the run keeps its last epoch and takes W from the validation run.
+--refit --fusion-weight W (or the validation run's checkpoint): the final fit of a recipe chosen
+on validation. Every event but each user's test target is trained on (the validation targets too,
+as the HSTU public code trains); there is no validation left, so the run keeps its last epoch and
+takes W from the validation run.
 """
 from __future__ import annotations
 
