@@ -203,15 +203,12 @@ def bench_decode(torch, R, K, timer, args, cfg, dtype, dev, info) -> dict:
     chk = res["checks"]
     chk["decode_attention"] = max_err(K.decode_attention(q, k, v, lengths), R.decode_attention(q32, k32, v32, lengths))
     chk["attention_probs"] = max_err(K.attention_probs(q, k, lengths), R.attention_probs(q32, k32, lengths))
-    out, order, kept = K.pfa_select(q, k, v, lengths, w, keep)
-    r_out, r_order, r_kept = R.pfa_select(q32, k32, v32, lengths, w, keep)
+    order, kept = K.pfa_select(q, k, lengths, w, keep)
+    r_order, r_kept = R.pfa_select(q32, k32, lengths, w, keep)
     pos = torch.arange(order.shape[1], device=dev)[None, :] < kept[:, None]
     same = [(set(order[b][pos[b]].tolist()) == set(r_order[b][pos[b]].tolist())) for b in range(min(B, 64))]
     chk["pfa_select_kept_lengths_equal"] = bool(torch.equal(kept, r_kept))
     chk["pfa_select_same_kept_set_frac"] = sum(same) / len(same)
-    # the step output must be the attention renormalized over the rows the kernel kept
-    chk["pfa_select_out_vs_own_order"] = max_err(
-        out, R.decode_attention(q32, R.gather_rows(k32, order), R.gather_rows(v32, order), kept))
     dyn = K.dynamic_topk_attention(q, k, v, lengths, keep)
     r_dyn = R.dynamic_topk_attention(q32, k32, v32, lengths, keep)
     row_err = (dyn.float() - r_dyn).abs().amax(-1)  # [B, W, H]; a near-tie may pick another row
@@ -219,17 +216,16 @@ def bench_decode(torch, R, K, timer, args, cfg, dtype, dev, info) -> dict:
     chk["gather_rows_exact"] = bool(torch.equal(K.gather_rows(k, order), R.gather_rows(k, order)))
     ok = (chk["decode_attention"] <= tol and chk["attention_probs"] <= tol / 4
           and chk["pfa_select_kept_lengths_equal"] and chk["pfa_select_same_kept_set_frac"] >= 0.95
-          and chk["pfa_select_out_vs_own_order"] <= tol and chk["dynamic_topk_rows_over_tol_frac"] <= 1e-3
+          and chk["dynamic_topk_rows_over_tol_frac"] <= 1e-3
           and chk["gather_rows_exact"])
     chk["ok"] = bool(ok)
-    del q32, k32, v32, r_out, r_dyn
+    del q32, k32, v32, r_dyn
 
     # ---- per-op timings; bytes = what the op must read and write at least
-    kept_rows = float(kept.sum())
     bytes_ = {
         "decode_attention": esize * (2 * B * W * H * d + 2 * valid_rows * H * d),
         "attention_probs": esize * (B * W * H * d + valid_rows * H * d + B * W * H * N),
-        "pfa_select": esize * (2 * B * W * H * d + valid_rows * H * d + kept_rows * H * d),
+        "pfa_select": esize * (B * W * H * d + valid_rows * H * d),  # q and the keys
         # every beam's rows are masked in one dense pass over the user's K/V (no per-beam gather)
         "dynamic_topk_attention": esize * (2 * B * W * H * d + 2 * valid_rows * H * d),
         "gather_rows": esize * 2 * B * keep * H * d,
@@ -237,14 +233,14 @@ def bench_decode(torch, R, K, timer, args, cfg, dtype, dev, info) -> dict:
     flops = {
         "decode_attention": 4 * W * valid_rows * H * d,
         "attention_probs": 2 * W * valid_rows * H * d,
-        "pfa_select": 4 * W * valid_rows * H * d + 4 * W * kept_rows * H * d,
+        "pfa_select": 4 * W * valid_rows * H * d,  # QK twice: softmax statistics, then weights
         "dynamic_topk_attention": 8 * W * valid_rows * H * d,  # QK for statistics and weights, then QK + AV
         "gather_rows": 0.0,
     }
     calls = {
         "decode_attention": lambda m: m.decode_attention(q, k, v, lengths),
         "attention_probs": lambda m: m.attention_probs(q, k, lengths),
-        "pfa_select": lambda m: m.pfa_select(q, k, v, lengths, w, keep),
+        "pfa_select": lambda m: m.pfa_select(q, k, lengths, w, keep),
         "dynamic_topk_attention": lambda m: m.dynamic_topk_attention(q, k, v, lengths, keep),
         "gather_rows": lambda m: m.gather_rows(k, order),
     }
@@ -278,9 +274,8 @@ def bench_decode(torch, R, K, timer, args, cfg, dtype, dev, info) -> dict:
 
     def pfa(m):
         outs = [m.decode_attention(qs[0], ks[0], vs[0], lengths)]
-        o, order_, kept_ = m.pfa_select(qs[1], ks[1], vs[1], lengths, w, keep)
-        outs.append(o)
-        for t in range(2, NUM_CODES):  # later steps: gather once, then contiguous prefixes
+        order_, kept_ = m.pfa_select(qs[1], ks[1], lengths, w, keep)
+        for t in range(1, NUM_CODES):  # the kept rows gathered once, then contiguous prefixes
             kg, vg = m.gather_rows(ks[t], order_), m.gather_rows(vs[t], order_)
             outs.append(m.decode_attention(qs[t], kg, vg, torch.clamp(kept_, max=bud[t])))
         return outs

@@ -168,8 +168,9 @@ def test_pfa_reads_budget_prefixes(monkeypatch):
 
     monkeypatch.setattr(ops, "decode_attention", spy)
     generate(dec, cb, states, lengths, DecodeOptions(mode="pfa", beam_width=6, k=8, r=0.5, selection_step=1))
-    # step 0 (one beam) attends in state space; step 1 = pfa_select; steps 2, 3 read prefixes of 4 and 2 rows
-    assert seen == [(4, [4, 4, 2]), (2, [2, 2, 2])]
+    # step 0 (one beam) attends in state space; step 1 selects 8 rows (the second user has 7, the
+    # third 2) and attends over them; steps 2, 3 read prefixes of 4 and 2 rows
+    assert seen == [(8, [8, 7, 2]), (4, [4, 4, 2]), (2, [2, 2, 2])]
 
 
 def _item_codes(cb):

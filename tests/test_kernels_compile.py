@@ -83,13 +83,13 @@ def _precision(dtype: str) -> str:
 # (kernel name, case id, constexprs as a function of the dtype)
 CASES = [
     ("_decode_attention_kernel", "prefix_d64",
-     lambda dt: dict(HAS_IDX=False, HAS_THRESH=False, BLOCK_W=64, BLOCK_N=64, BLOCK_D=64, BLOCK_DV=64,
+     lambda dt: dict(HAS_THRESH=False, BLOCK_W=64, BLOCK_N=64, BLOCK_D=64, BLOCK_DV=64,
                      DOT_PRECISION=_precision(dt))),
-    ("_decode_attention_kernel", "indexed_d16",
-     lambda dt: dict(HAS_IDX=True, HAS_THRESH=False, BLOCK_W=16, BLOCK_N=16, BLOCK_D=16, BLOCK_DV=32,
+    ("_decode_attention_kernel", "prefix_d16",
+     lambda dt: dict(HAS_THRESH=False, BLOCK_W=16, BLOCK_N=16, BLOCK_D=16, BLOCK_DV=32,
                      DOT_PRECISION=_precision(dt))),
     ("_decode_attention_kernel", "per_beam_rows_d64",
-     lambda dt: dict(HAS_IDX=False, HAS_THRESH=True, BLOCK_W=64, BLOCK_N=64, BLOCK_D=64, BLOCK_DV=64,
+     lambda dt: dict(HAS_THRESH=True, BLOCK_W=64, BLOCK_N=64, BLOCK_D=64, BLOCK_DV=64,
                      DOT_PRECISION=_precision(dt))),
     ("_attention_probs_kernel", "d32",
      lambda dt: dict(BLOCK_W=64, BLOCK_N=64, BLOCK_D=32, DOT_PRECISION=_precision(dt))),

@@ -92,20 +92,21 @@ def generate(decoder, codebook, states: torch.Tensor, lengths: torch.Tensor, opt
                 attn = ops.decode_attention(q, K, V, lengths)
         elif mode == "pfa":
             if t == s:
-                # one shared ranking from the beams' pooled weights; this step's output reuses them
-                K, V = kv(t)
-                attn, order, kept_len = ops.pfa_select(q, K, V, lengths, _beam_weights(beam_lp), options.k)
-                # the kept rows of every later step, gathered once into contiguous memory
+                # one shared ranking from the beams' pooled weights over every row's key
+                K = kv(t)[0] if decoder.shared_kv_projection else decoder.project_step(states, t, "k")
+                order, kept_len = ops.pfa_select(q, K, lengths, _beam_weights(beam_lp), options.k)
+                # the kept rows of this and every later step, gathered once into contiguous memory
                 if decoder.shared_kv_projection:
-                    kept = dict.fromkeys(range(t + 1, T), (ops.gather_rows(K, order), ops.gather_rows(V, order)))
+                    kept = dict.fromkeys(range(t, T), (ops.gather_rows(K, order), ops.gather_rows(kv(t)[1], order)))
                 else:
                     kept_states = ops.gather_rows(states, order)  # [B, k, D]
-                    # (step u reads only its first k_u rows: project just those)
-                    kept = {u: decoder.project_step(kept_states[:, : options.budget(u)], u) for u in range(t + 1, T)}
-            else:
-                kt = options.budget(t)  # a prefix of the importance-sorted block
-                K, V = kept[t]
-                attn = ops.decode_attention(q, K[:, :kt], V[:, :kt], kept_len.clamp(max=kt))
+                    # (step u reads only its first k_u rows: project just those; k_s = k)
+                    kept = {u: decoder.project_step(kept_states[:, : options.budget(u)], u) for u in range(t, T)}
+            # the selection step's own weights over its kept rows, renormalized, are the softmax
+            # over those rows: every step from s on attends over a prefix of the kept block
+            kt = options.budget(t)
+            K, V = kept[t]
+            attn = ops.decode_attention(q, K[:, :kt], V[:, :kt], kept_len.clamp(max=kt))
         elif mode == "pfa_per_beam":
             K, V = kv(t)
             if t == s:  # every beam ranks the rows by its own weights

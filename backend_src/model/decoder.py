@@ -60,13 +60,15 @@ class SemanticIdDecoder(nn.Module):
             k, v = k.expand(shape), v.expand(shape)
         return k, v
 
-    def project_step(self, states: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """states [B, N, D] -> K_t, V_t [B, N, H, dh] of one decoding step (without biases).
-        Row-wise, so projecting gathered rows equals gathering projected rows (PFA projects the
-        steps after its selection only for the k kept rows)."""
-        p = self.kv_proj[0 if self.shared_kv_projection else step]
-        kv = F.linear(states, p.weight).view(*states.shape[:2], 2, self.num_heads, self.head_dim)
-        return kv[:, :, 0], kv[:, :, 1]
+    def project_step(self, states: torch.Tensor, step: int, part: str = "kv"):
+        """states [B, N, D] -> K_t, V_t [B, N, H, dh] of one decoding step (without biases), or
+        only K_t (part "k") or V_t (part "v"). Row-wise, so projecting gathered rows equals
+        gathering projected rows: PFA projects keys of every row for its selection, values only
+        for the rows it keeps, and the later steps only for their k_t rows."""
+        weight = self.kv_proj[0 if self.shared_kv_projection else step].weight  # [2D, D]: W_k; W_v
+        rows = {"kv": weight, "k": weight[: self.d_model], "v": weight[self.d_model :]}[part]
+        out = F.linear(states, rows).view(*states.shape[:2], len(part), self.num_heads, self.head_dim)
+        return out[:, :, 0] if len(part) == 1 else (out[:, :, 0], out[:, :, 1])
 
     def attend_states(
         self, q: torch.Tensor, states: torch.Tensor, lengths: torch.Tensor, step: int

@@ -131,21 +131,20 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths:
 def pfa_select(
     q: torch.Tensor,  # [B, W, H, d]
     k: torch.Tensor,  # [B, N, H, d]
-    v: torch.Tensor,  # [B, N, H, d]
     lengths: torch.Tensor,  # [B]
     beam_weights: torch.Tensor,  # [B, W] normalized generation probabilities w_b = p_b / sum_j p_j
     keep: int,
 ):
-    """PFA selection step.
+    """PFA selection: one importance score per history row, shared by all beams,
 
-    s_i = sum_b w_b * mean_h a_{b,h,i}  (one importance score per history row, shared by all beams)
-    order = the `keep` best rows by s, best first. The step's own output is the weights restricted
-    to the kept rows and renormalized, which is the softmax over the kept rows' logits: computed
-    as attention over the gathered rows (gathering the kept columns of the weights instead
-    measured no faster in a whole decode: two [B, W, N] weight tensors stay alive).
+        s_i = sum_b w_b * mean_h a_{b,h,i},
 
-    Returns out [B, W, H, d], order [B, keep'] (keep' = min(keep, N); entries past kept_lengths[b]
-    are padding), kept_lengths [B] = min(keep, lengths).
+    and the `keep` best rows by s, best first. The selection step's own output, its weights at
+    the kept rows renormalized, is the softmax over those rows alone: the caller attends over the
+    kept block (``decode_attention``), which needs the values of the kept rows only.
+
+    Returns order [B, keep'] (keep' = min(keep, N); entries past kept_lengths[b] are padding),
+    kept_lengths [B] = min(keep, lengths).
     """
     B, W, H, d = q.shape
     N = k.shape[1]
@@ -165,9 +164,7 @@ def pfa_select(
     scores = scores.masked_fill(invalid, float("-inf"))
     keep = min(keep, N)
     order = torch.topk(scores, keep, dim=1, sorted=True).indices  # [B, keep]
-    kept_lengths = torch.clamp(lengths, max=keep)
-    out = decode_attention(q, gather_rows(k, order), gather_rows(v, order), kept_lengths)
-    return out, order, kept_lengths
+    return order, torch.clamp(lengths, max=keep)
 
 
 def dynamic_topk_attention(

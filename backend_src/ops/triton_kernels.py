@@ -81,27 +81,24 @@ def _softmax_stats(q, k_base, sk_n, sk_d, offs_d, d_mask, L, qk_scale,
 
 
 # --------------------------------------------------------------------------------------------
-# decode attention: beams of a user over one contiguous (or index-listed) K/V block
+# decode attention: beams of a user over one contiguous K/V block
 # --------------------------------------------------------------------------------------------
 @triton.jit
 def _decode_attention_kernel(
-    q_ptr, k_ptr, v_ptr, len_ptr, idx_ptr, sel_ptr, tau_ptr, o_ptr,
+    q_ptr, k_ptr, v_ptr, len_ptr, sel_ptr, tau_ptr, o_ptr,
     W, H, N, D, DV,
     sq_b, sq_w, sq_h, sq_d,
     sk_b, sk_n, sk_h, sk_d,
     sv_b, sv_n, sv_h, sv_d,
-    si_b, si_j,
     ss_b, ss_w, ss_n,
     st_b, st_w,
     so_b, so_w, so_h, so_d,
     qk_scale,
-    HAS_IDX: tl.constexpr, HAS_THRESH: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_THRESH: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """out[b, w, h] = softmax over rows j < lengths[b] of q.k_j, times v_j.
 
-    HAS_IDX: row j of the block is idx[b, j] (PFA's kept rows of the selection step);
-    otherwise row j itself (the contiguous prefix of later steps).
     HAS_THRESH: beam w only keeps the rows whose score sel[b, w, j] reaches its threshold
     tau[b, w] (dynamic top-k: every beam its own rows, read densely from one K/V block)."""
     pid_bh = tl.program_id(0).to(tl.int64)
@@ -130,12 +127,7 @@ def _decode_attention_kernel(
     for start in range(0, L, BLOCK_N):
         n = start + offs_n
         n_mask = n < L
-        if HAS_IDX:
-            rows = tl.load(idx_ptr + b * si_b + n * si_j, mask=n_mask, other=0)
-            n_mask = n_mask & (rows >= 0) & (rows < N)
-        else:
-            rows = n
-        k = tl.load(k_base + rows[:, None] * sk_n + offs_d[None, :] * sk_d,
+        k = tl.load(k_base + n[:, None] * sk_n + offs_d[None, :] * sk_d,
                     mask=n_mask[:, None] & d_mask[None, :], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BW, BN] base-2 logits
         keep = n_mask[None, :]
@@ -148,7 +140,7 @@ def _decode_attention_kernel(
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(s - m_new[:, None])
         l = l * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_base + rows[:, None] * sv_n + offs_dv[None, :] * sv_d,
+        v = tl.load(v_base + n[:, None] * sv_n + offs_dv[None, :] * sv_d,
                     mask=n_mask[:, None] & dv_mask[None, :], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m = m_new
@@ -158,27 +150,24 @@ def _decode_attention_kernel(
              out.to(o_ptr.dtype.element_ty), mask=w_mask[:, None] & dv_mask[None, :])
 
 
-def _launch_decode(q, k, v, lengths, idx=None, sel=None, tau=None):
-    """idx [B, rows]: attend over these rows of k/v; sel [B, W, N] and tau [B, W]: beam w keeps
-    the rows with sel >= tau (see the kernel)."""
+def _launch_decode(q, k, v, lengths, sel=None, tau=None):
+    """sel [B, W, N] and tau [B, W]: beam w keeps the rows with sel >= tau (see the kernel)."""
     B, W, H, D = q.shape
     N = k.shape[1]
     DV = v.shape[-1]
     out = torch.empty((B, W, H, DV), device=q.device, dtype=q.dtype)
-    rows = idx.shape[1] if idx is not None else N
     BLOCK_W = _pow2(W, 16, 64)
-    BLOCK_N = _block_keys(rows)
+    BLOCK_N = _block_keys(N)
     # pointers a mode does not use get any tensor and zero strides
-    idx_arg, si = (idx, idx.stride()) if idx is not None else (lengths, (0, 0))
     sel_arg, ss = (sel, sel.stride()) if sel is not None else (lengths, (0, 0, 0))
     tau_arg, st = (tau, tau.stride()) if tau is not None else (lengths, (0, 0))
     grid = (B * H, triton.cdiv(W, BLOCK_W))
     _decode_attention_kernel[grid](
-        q, k, v, lengths, idx_arg, sel_arg, tau_arg, out,
+        q, k, v, lengths, sel_arg, tau_arg, out,
         W, H, N, D, DV,
-        *q.stride(), *k.stride(), *v.stride(), *si, *ss, *st, *out.stride(),
+        *q.stride(), *k.stride(), *v.stride(), *ss, *st, *out.stride(),
         (D ** -0.5) * _LOG2E,
-        HAS_IDX=idx is not None, HAS_THRESH=sel is not None, BLOCK_W=BLOCK_W, BLOCK_N=BLOCK_N,
+        HAS_THRESH=sel is not None, BLOCK_W=BLOCK_W, BLOCK_N=BLOCK_N,
         BLOCK_D=_pow2(D), BLOCK_DV=_pow2(DV), DOT_PRECISION=_dot_precision(q),
         num_warps=4,
     )
@@ -398,27 +387,16 @@ def _beam_head_mean(q, k, lengths):
     return out
 
 
-def pfa_select(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    lengths: torch.Tensor,
-    beam_weights: torch.Tensor,
-    keep: int,
-):
-    """PFA selection step: s_n = sum_w w_w mean_h a_{w,h,n}; order = top `keep` rows by s; the
-    step's output is the attention renormalized over the kept rows.
-    Returns out [B, W, H, d], order [B, keep'], kept_lengths [B] = min(keep', lengths)."""
-    if _use_reference(q, k, v, beam_weights):
-        return reference.pfa_select(q, k, v, lengths, beam_weights, keep)
+def pfa_select(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, beam_weights: torch.Tensor, keep: int):
+    """PFA selection: s_n = sum_w w_w mean_h a_{w,h,n}; order = top `keep` rows by s.
+    Returns order [B, keep'], kept_lengths [B] = min(keep', lengths)."""
+    if _use_reference(q, k, beam_weights):
+        return reference.pfa_select(q, k, lengths, beam_weights, keep)
     N = k.shape[1]
     scores = _pfa_scores(q, k, lengths, beam_weights)  # [B, N] fp32, -inf past the length
     keep = min(keep, N)
     order = torch.topk(scores, keep, dim=1, sorted=True).indices  # [B, keep]
-    kept_lengths = torch.clamp(lengths, max=keep)
-    # renormalized weights over the kept rows = softmax over those rows alone
-    out = _launch_decode(q, k, v, kept_lengths, idx=order)
-    return out, order, kept_lengths
+    return order, torch.clamp(lengths, max=keep)
 
 
 # --------------------------------------------------------------------------------------------

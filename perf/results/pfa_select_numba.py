@@ -11,6 +11,9 @@ reference first; then the step on its own and whole decodes (perf.bench_decode's
 with the glibc settings of `make bench-offline` and OpenMP's default wait policy:
 
     python perf/results/pfa_select_numba.py > perf/results/pfa_select_numba.txt
+
+Written against the ops of commit 81b0781, where ops.pfa_select also returned the selection
+step's output: run it at that commit.
 """
 import statistics
 import sys

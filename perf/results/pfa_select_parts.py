@@ -1,66 +1,70 @@
 """Where PFA's selection step spends its time on this CPU, beside one full-attention step.
 
-The selection (ops.pfa_select, torch reference) per head: the logits of every beam over every row
-(a batched matmul), their softmax, the probability-weighted pooling; then one top-k, the gather of
-the kept K/V rows and attention over them. A full-attention step is one fused SDPA call. Also timed:
-the step's output from the selection's own probabilities (gathered at the kept rows and
-renormalized) instead of attention over the gathered rows. Beam 100, 2 heads of 32; medians of 21
-rounds, all variants side by side per round. Run alone on the machine, with OpenMP's default wait
-policy (as `make bench-offline`):
+A full-attention step (t >= 1, all beams): project K and V of every history row, then one fused
+SDPA call. PFA's selection step (ops.pfa_select, torch reference, then the decoder's own work):
+project K of every row; per head the logits of every beam over every row (a batched matmul), their
+softmax and the probability-weighted pooling; one top-k; the kept rows' states gathered and their K
+and V projected; attention over the kept rows (the step's own weights renormalized over them).
+Randomly initialized decoder of perf.bench_decode's setting (d 64, beam 100, 2 heads of 32, keep
+256); medians of 21 rounds, all variants side by side per round. Run alone on the machine, with
+OpenMP's default wait policy and the glibc settings of `make bench-offline`:
 
     python perf/results/pfa_select_parts.py > perf/results/pfa_select_parts.txt
 """
+import sys
 import time
 
 import torch
 
-from backend_src.ops import reference as R
+sys.path.insert(0, ".")
+from backend_src.ops import reference as R  # noqa: E402
+from perf.bench_decode import build  # noqa: E402
 
-W, H, D, KEEP = 100, 2, 32, 256
-
-
-def select_reusing_probs(q, k, v, lengths, beam_weights, keep):
-    """pfa_select with the step output taken from the selection's softmax at the kept rows."""
-    B, _, _, d = q.shape
-    N = k.shape[1]
-    valid = R._row_mask(lengths, N)  # every history is full here: no mask pass, as in pfa_select
-    qs = q * d**-0.5
-    probs = [torch.softmax(torch.bmm(qs[:, :, h], k[:, :, h].transpose(1, 2)), -1) for h in range(H)]
-    scores = sum(torch.bmm((beam_weights / H)[:, None, :], a).squeeze(1) for a in probs)
-    order = torch.topk(scores.masked_fill(~valid, float("-inf")), keep, dim=1).indices
-    vk = R.gather_rows(v, order)
-    idx = order[:, None, :].expand(B, W, keep)
-    kept = [a.gather(2, idx) for a in probs]
-    out = torch.stack([torch.bmm(a / a.sum(-1, keepdim=True), vk[:, :, h]) for h, a in enumerate(kept)], 2)
-    return out, order
+W, H, D, KEEP, STEP = 100, 2, 32, 256, 1
 
 
+@torch.no_grad()
 def main():
     print(f"torch {torch.__version__}, beam {W}, {H} heads x {D}, keep {KEEP}; ms, median of 21")
+    _, decoders = build(16384, H * D, H, 2048, 0)
+    dec = decoders[False]
     for threads in (1, 2):
         torch.set_num_threads(threads)
         for B, N in ((32, 512), (8, 2048)):
             g = torch.Generator().manual_seed(0)
-            q, k, v = (torch.randn(B, n, H, D, generator=g) for n in (W, N, N))
+            states = torch.randn(B, N, H * D, generator=g)
+            q = torch.randn(B, W, H, D, generator=g)
             lengths = torch.full((B,), N)
             bw = torch.softmax(torch.randn(B, W, generator=g), 1)
+            k, v = dec.project_step(states, STEP)
             qs = q * D**-0.5
             e = torch.bmm(qs[:, :, 0], k[:, :, 0].transpose(1, 2))
-            order = torch.topk(torch.randn(B, N, generator=g), KEEP, 1).indices
-            kg, vg = R.gather_rows(k, order), R.gather_rows(v, order)
+            order, kept_len = R.pfa_select(q, k, lengths, bw, KEEP)
+            kept_states = R.gather_rows(states, order)
+            kk, vk = dec.project_step(kept_states, STEP)
+
+            def selection_step():
+                keys = dec.project_step(states, STEP, "k")
+                rows, n_kept = R.pfa_select(q, keys, lengths, bw, KEEP)
+                kept_k, kept_v = dec.project_step(R.gather_rows(states, rows), STEP)
+                return R.decode_attention(q, kept_k, kept_v, n_kept)
+
+            def full_step():
+                return R.decode_attention(q, *dec.project_step(states, STEP), lengths)
+
             calls = {
-                "full-attention step (SDPA over N)": lambda: R.decode_attention(q, k, v, lengths),
-                "pfa_select (whole)": lambda: R.pfa_select(q, k, v, lengths, bw, KEEP),
+                "full-attention step (K/V of all rows, SDPA)": full_step,
+                "  K/V projection of all rows": lambda: dec.project_step(states, STEP),
+                "  SDPA over all rows": lambda: R.decode_attention(q, k, v, lengths),
+                "PFA selection step (whole)": selection_step,
+                "  K projection of all rows": lambda: dec.project_step(states, STEP, "k"),
                 "  logits, one head (bmm)": lambda: torch.bmm(qs[:, :, 0], k[:, :, 0].transpose(1, 2)),
                 "  softmax, one head": lambda: torch.softmax(e, -1),
                 "  pooling, one head (bmm)": lambda: torch.bmm(bw[:, None, :], e),
                 "  top-k": lambda: torch.topk(e[:, 0], KEEP, 1, sorted=True),
-                "  gather kept K and V": lambda: (R.gather_rows(k, order), R.gather_rows(v, order)),
-                "  attention over the kept rows": lambda: R.decode_attention(q, kg, vg, lengths.clamp(max=KEEP)),
-                "pfa_select reusing the probabilities": lambda: select_reusing_probs(q, k, v, lengths, bw, KEEP),
+                "  gather kept states, project K/V": lambda: dec.project_step(R.gather_rows(states, order), STEP),
+                "  attention over the kept rows": lambda: R.decode_attention(q, kk, vk, kept_len),
             }
-            ref, alt = calls["pfa_select (whole)"](), calls["pfa_select reusing the probabilities"]()
-            assert torch.equal(ref[1], alt[1]) and torch.allclose(ref[0], alt[0], atol=1e-5)
             times = {name: [] for name in calls}
             for _ in range(21):
                 for name, fn in calls.items():
@@ -69,7 +73,7 @@ def main():
                     times[name].append(time.perf_counter() - t)
             print(f"\n{threads} thread(s), {B} users x history {N}")
             for name, ts in times.items():
-                print(f"  {name:40s} {sorted(ts)[10] * 1e3:7.2f}")
+                print(f"  {name:45s} {sorted(ts)[10] * 1e3:7.2f}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Whole-decode latency of full attention and PFA (perf.bench_decode, histories 512 and 2048) at an
+# earlier commit and at the working tree, alternated ROUNDS times: this machine's speed drifts by
+# several percent between minutes, so a change is read from ratios taken round by round.
+#   bash perf/results/ab_decode.sh OLD_COMMIT [ROUNDS] > perf/results/<name>.txt
+set -euo pipefail
+old=$1
+rounds=${2:-3}
+py=${PY:-.venv/bin/python}
+py=$(realpath "$py")
+export MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=4294967296 MALLOC_TOP_PAD_=268435456
+tmp=$(mktemp -d)
+trap 'git worktree remove --force "$tmp/old" >/dev/null 2>&1; rm -rf "$tmp"' EXIT
+git worktree add -q --detach "$tmp/old" "$old"
+run() {  # prints: full_512 pfa_512 ratio_512 full_2048 pfa_2048 ratio_2048
+    (cd "$1" && "$py" -m perf.bench_decode --histories 512 2048 --users 32 8 --variants full pfa --reps 21 \
+        --out "$tmp/out" 2>/dev/null >/dev/null && "$py" -c "
+import json
+rows = {(r['mode'], r['history']): r for r in json.load(open('$tmp/out/decode_latency.json'))['rows']}
+print(' '.join(f\"{rows['full', n]['latency_ms_p50']:6.1f} {rows['pfa', n]['latency_ms_p50']:6.1f} \"
+               f\"{rows['pfa', n]['speedup_vs_full']:5.2f}x\" for n in (512, 2048)))")
+}
+echo "decode ms per batch (full, PFA, full/PFA) at history 512 (32 users) and 2048 (8 users); $rounds rounds"
+echo "old = $(git rev-parse --short "$old"), new = working tree at $(git rev-parse --short HEAD)$(git diff --quiet || echo '+changes')"
+for i in $(seq "$rounds"); do
+    echo "round $i old  $(run "$tmp/old")"
+    echo "round $i new  $(run .)"
+done
