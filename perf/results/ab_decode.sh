@@ -7,7 +7,7 @@ set -euo pipefail
 old=$1
 rounds=${2:-3}
 py=${PY:-.venv/bin/python}
-py=$(realpath "$py")
+py="$(cd "$(dirname "$py")" && pwd)/$(basename "$py")"  # absolute, still the venv's
 export MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=4294967296 MALLOC_TOP_PAD_=268435456
 tmp=$(mktemp -d)
 trap 'git worktree remove --force "$tmp/old" >/dev/null 2>&1; rm -rf "$tmp"' EXIT
