@@ -23,9 +23,16 @@ class ModelConfig:
     shared_kv_projection: bool = False  # PFA ablation: one K/V projection for all steps
     ranker_negatives: int = 64
     dense_temperature: float = 0.0  # > 0: the dense head scores cosine similarity / temperature
-    # served ("fused") order: rank_fusion_weight * M-FALCON logit + retrieval log-probability;
-    # chosen on the validation split after training (export.train, export.evaluate --tune-fusion)
+    # served ("fused") order: w * M-FALCON logit + retrieval log-probability, w chosen on the
+    # validation split after training (export.train, export.evaluate --tune-fusion), once with
+    # already-seen items kept in the list and once with them excluded (None: the same w)
     rank_fusion_weight: float = 1.0
+    rank_fusion_weight_seen_excluded: float | None = None
+
+    def fusion_weight(self, exclude_seen: bool = False) -> float:
+        """The fused order's ranker weight under a seen-item policy."""
+        w = self.rank_fusion_weight_seen_excluded if exclude_seen else None
+        return self.rank_fusion_weight if w is None else w
 
     @property
     def num_codes(self) -> int:

@@ -62,8 +62,10 @@ def evaluate(
             rank_scores = model.rank(cache, beams.item_ids)
             t_rank += time.perf_counter() - t0
             orders["ranked"] = (beams.item_ids, rank_scores)
-            # product of the two experts: (weighted) ranker logit + retrieval log-probability
-            orders["fused"] = (beams.item_ids, fuse(rank_scores, beams.log_probs, model.cfg.rank_fusion_weight))
+            # product of the two experts: (weighted) ranker logit + retrieval log-probability, with
+            # the weight the checkpoint holds for each seen-item policy
+            orders["fused"] = (beams.item_ids, {excl: fuse(rank_scores, beams.log_probs, model.cfg.fusion_weight(excl))
+                                                for excl in (False, True)})
             for w in fusion_weights:
                 orders[f"fused@{w:g}"] = (beams.item_ids, fuse(rank_scores, beams.log_probs, w))
         if dense:
@@ -72,7 +74,7 @@ def evaluate(
             orders["dense"] = (top.indices, top.values)
         for name, (cands, scores) in orders.items():
             for excl in (False, True):
-                ranked = drop_seen(cands, scores, batch.items, exclude=excl)
+                ranked = drop_seen(cands, scores[excl] if isinstance(scores, dict) else scores, batch.items, exclude=excl)
                 key = f"{name}/{'seen_excluded' if excl else 'seen_included'}"
                 acc.setdefault(key, MetricAccumulator(ks)).update(ranked[:, : max(ks)], batch.target_items)
     out = {k: a.compute() for k, a in acc.items()}
@@ -84,11 +86,17 @@ def evaluate(
 FUSION_GRID = (0.0, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0)
 
 
+SEEN_POLICIES = ("seen_included", "seen_excluded")
+
+
 def tune_fusion_weight(model, data, options: DecodeOptions | None = None, weights=FUSION_GRID,
-                       metric: str = "ndcg@10", progress: bool = True) -> tuple[float, dict]:
-    """The ranker weight of the fused order with the best validation `metric` (seen items
-    included), and every weight's validation metrics. Never looks at the test split."""
+                       metric: str = "ndcg@10", progress: bool = True) -> tuple[dict, dict]:
+    """For each seen-item policy, the ranker weight of the fused order with the best validation
+    `metric` with that policy applied: ({policy: w}, {policy: {w: validation metrics}}).
+    Never looks at the test split."""
     res = evaluate(model, data, "valid", options, dense=False, fusion_weights=weights, progress=progress)
-    table = {w: res[f"fused@{w:g}/seen_included"] for w in weights}
-    best = max(weights, key=lambda w: (table[w][metric], -abs(w - 1.0)))  # ties: the plain sum
-    return best, table
+    best, tables = {}, {}
+    for policy in SEEN_POLICIES:
+        table = tables[policy] = {w: res[f"fused@{w:g}/{policy}"] for w in weights}
+        best[policy] = max(weights, key=lambda w: (table[w][metric], -abs(w - 1.0)))  # ties: the plain sum
+    return best, tables

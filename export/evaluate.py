@@ -5,17 +5,19 @@
 
 Orders reported: retrieval (beam log-probability), ranked (M-FALCON score over the beams),
 fused (the served order: w * ranker logit + retrieval log-probability, w = the checkpoint's
-rank_fusion_weight) and dense (the auxiliary head, a diagnostic), each with already-seen items
-included and excluded. --tune-fusion first picks w on the validation split and saves it into
-the checkpoint (export.train does this after training).
+weight for the seen-item policy) and dense (the auxiliary head, a diagnostic), each with
+already-seen items included and excluded. --tune-fusion first picks w per policy on the validation
+split and saves both into the checkpoint (export.train does this after training); --fusion-weight
+W|CHECKPOINT saves given weights instead (a final fit has no validation split left to pick them on).
 """
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from backend_src.config import DecodeOptions
 from backend_src.data.loaders import load_dataset
-from backend_src.evaluation import evaluate, tune_fusion_weight
+from backend_src.evaluation import SEEN_POLICIES, evaluate, tune_fusion_weight
 from backend_src.metrics import METRIC_NAMES
 from backend_src.model.recommender import GenerativeRecommender
 from backend_src.results import markdown_table, write_result
@@ -30,18 +32,34 @@ def result_rows(dataset: str, results: dict, mode: str) -> list[dict]:
     ]
 
 
-def tune_fusion(model: GenerativeRecommender, data, checkpoint, options: DecodeOptions) -> float:
-    """Pick the fused order's ranker weight on the validation split (NDCG@10, seen items
-    included) and save it into the checkpoint's config."""
-    best, table = tune_fusion_weight(model, data, options)
-    for w, m in table.items():
-        scores = " ".join(f"{k}={m[k]:.4f}" for k in METRIC_NAMES)
-        print(f"  valid fused@{w:g}: {scores}" + ("  <- chosen" if w == best else ""))
-    model.cfg.rank_fusion_weight = float(best)
-    metadata = dict(getattr(model, "metadata", {}))
-    metadata["rank_fusion_valid"] = {f"{w:g}": m for w, m in table.items()}
-    model.save(checkpoint, metadata)
-    model.metadata = metadata
+def fusion_weights(value: str) -> tuple[float, float]:
+    """--fusion-weight: a number (both seen-item policies) or a checkpoint whose weights to take
+    -> (w with seen items included, w with them excluded)."""
+    try:
+        return float(value), float(value)
+    except ValueError:
+        if not Path(value).is_file():
+            raise argparse.ArgumentTypeError(f"{value!r} is neither a number nor a checkpoint file") from None
+        cfg = GenerativeRecommender.load(value).cfg
+        return cfg.fusion_weight(False), cfg.fusion_weight(True)
+
+
+def save_fusion_weights(model: GenerativeRecommender, checkpoint, weights: tuple[float, float], **metadata) -> None:
+    model.cfg.rank_fusion_weight, model.cfg.rank_fusion_weight_seen_excluded = map(float, weights)
+    model.metadata = {**getattr(model, "metadata", {}), **metadata}
+    model.save(checkpoint, model.metadata)
+
+
+def tune_fusion(model: GenerativeRecommender, data, checkpoint, options: DecodeOptions) -> dict:
+    """Pick the fused order's ranker weight on the validation split (NDCG@10), once per seen-item
+    policy, and save both into the checkpoint's config -> {policy: w}."""
+    best, tables = tune_fusion_weight(model, data, options)
+    for policy in SEEN_POLICIES:
+        for w, m in tables[policy].items():
+            scores = " ".join(f"{k}={m[k]:.4f}" for k in METRIC_NAMES)
+            print(f"  valid {policy} fused@{w:g}: {scores}" + ("  <- chosen" if w == best[policy] else ""))
+    save_fusion_weights(model, checkpoint, (best["seen_included"], best["seen_excluded"]),
+                        rank_fusion_valid={p: {f"{w:g}": m for w, m in t.items()} for p, t in tables.items()})
     return best
 
 
@@ -55,14 +73,21 @@ def main(argv=None):
     p.add_argument("--k", type=int, default=256)
     p.add_argument("--max-users", type=int)
     p.add_argument("--out")
-    p.add_argument("--tune-fusion", action="store_true",
-                   help="first choose the fused order's ranker weight on the validation split, saved into the checkpoint")
+    fusion = p.add_mutually_exclusive_group()
+    fusion.add_argument("--tune-fusion", action="store_true",
+                        help="first choose the fused order's ranker weights on the validation split, saved into the "
+                             "checkpoint")
+    fusion.add_argument("--fusion-weight", type=fusion_weights, metavar="W|CHECKPOINT",
+                        help="first save these ranker weights into the checkpoint: a number, or the checkpoint of the "
+                             "validation run that chose them (for a final fit)")
     args = p.parse_args(argv)
     model = GenerativeRecommender.load(args.checkpoint)
     data = load_dataset(args.data)
     opts = DecodeOptions(mode=args.mode, beam_width=args.beam, k=args.k)
     if args.tune_fusion:
         tune_fusion(model, data, args.checkpoint, opts)
+    elif args.fusion_weight is not None:
+        save_fusion_weights(model, args.checkpoint, args.fusion_weight)
     res = evaluate(model, data, args.split, opts, max_users=args.max_users)
     rows = result_rows(data.name, res, args.mode)
     if args.out:

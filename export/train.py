@@ -26,7 +26,7 @@ from backend_src.metrics import METRIC_NAMES
 from backend_src.model.recommender import GenerativeRecommender
 from backend_src.results import write_result
 from backend_src.training import build_model, train
-from export.evaluate import result_rows, tune_fusion
+from export.evaluate import fusion_weights, result_rows, tune_fusion
 
 # Sizes that fit each data set on 2 CPU cores (overridable by flags).
 PRESETS = {
@@ -72,19 +72,12 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--refit", action="store_true",
                    help="train on validation targets too (only the test target held out); keep the last epoch")
-    p.add_argument("--fusion-weight", default=None,
-                   help="the served order's ranker weight (required with --refit): a number, or the checkpoint "
-                        "of the validation run that chose it")
+    p.add_argument("--fusion-weight", type=fusion_weights, default=None, metavar="W|CHECKPOINT",
+                   help="the served order's ranker weights (required with --refit): a number, or the checkpoint "
+                        "of the validation run that chose them")
     args = p.parse_args(argv)
     if args.refit and args.fusion_weight is None:
         p.error("--refit has no validation split to choose the fusion weight on: give --fusion-weight")
-    if args.fusion_weight is not None:
-        try:
-            args.fusion_weight = float(args.fusion_weight)
-        except ValueError:
-            if not Path(args.fusion_weight).is_file():
-                p.error(f"--fusion-weight: {args.fusion_weight!r} is neither a number nor a checkpoint file")
-            args.fusion_weight = GenerativeRecommender.load(args.fusion_weight).cfg.rank_fusion_weight
     return args
 
 
@@ -105,7 +98,7 @@ def main(argv=None):
         dense_temperature=args.dense_temperature,
     )
     if args.fusion_weight is not None:
-        cfg.rank_fusion_weight = args.fusion_weight
+        cfg.rank_fusion_weight, cfg.rank_fusion_weight_seen_excluded = args.fusion_weight
     tcfg = TrainConfig(
         epochs=args.epochs or preset["epochs"],
         batch_size=args.batch_size,
@@ -138,7 +131,7 @@ def main(argv=None):
     best = GenerativeRecommender.load(args.out)
     test_opts = DecodeOptions(mode="pfa", beam_width=args.beam)
     if args.ranker_weight > 0 and args.fusion_weight is None:
-        print(f"rank fusion weight (validation): {tune_fusion(best, data, args.out, test_opts):g}")
+        print(f"rank fusion weights (validation): {tune_fusion(best, data, args.out, test_opts)}")
     test = evaluate(best, data, "test", test_opts, max_users=args.test_users)
     rows = result_rows(data.name, test, "pfa")
     out = Path(args.results or Path(args.out).with_suffix(".results.json"))

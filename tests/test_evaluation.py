@@ -30,15 +30,26 @@ def test_fuse_weights_the_ranker_and_keeps_empty_slots_empty():
     assert torch.equal(fuse(rank, lp, 0.0), torch.tensor([[-3.0, -0.5, float("-inf")]]))
 
 
-def test_fused_order_uses_the_checkpoint_weight(small):
+def test_fused_order_uses_the_checkpoint_weight_of_each_seen_policy(small):
     data, model = small
-    model.cfg.rank_fusion_weight = 0.25
+    model.cfg.rank_fusion_weight, model.cfg.rank_fusion_weight_seen_excluded = 0.25, 2.0
     try:
         res = evaluate(model, data, "test", DECODE, dense=False, fusion_weights=(0.25, 2.0), progress=False)
     finally:
-        model.cfg.rank_fusion_weight = 1.0
+        model.cfg.rank_fusion_weight, model.cfg.rank_fusion_weight_seen_excluded = 1.0, None
     assert res["fused/seen_included"] == res["fused@0.25/seen_included"]
+    assert res["fused/seen_excluded"] == res["fused@2/seen_excluded"]
     assert "fused@1/seen_included" not in res  # only the requested weights are added
+
+
+def test_one_fusion_weight_serves_both_policies_unless_a_second_is_set():
+    from backend_src.config import ModelConfig
+
+    cfg = ModelConfig(num_items=5, rank_fusion_weight=0.5)
+    assert cfg.fusion_weight(False) == cfg.fusion_weight(True) == 0.5  # checkpoints from before the second
+    cfg.rank_fusion_weight_seen_excluded = 1.0
+    assert (cfg.fusion_weight(False), cfg.fusion_weight(True)) == (0.5, 1.0)
+    assert ModelConfig.from_dict(cfg.to_dict()).fusion_weight(True) == 1.0
 
 
 def test_recommend_ranks_by_the_weighted_sum(small):
@@ -48,22 +59,27 @@ def test_recommend_ranks_by_the_weighted_sum(small):
     batch = next(eval_batches(data, "test", batch_size=8, max_len=model.cfg.max_seq_len))
     cache = model.encode(batch.items, batch.actions, batch.timestamps, batch.lengths)
     beams = model.retrieve(cache, DECODE)
-    expected = fuse(model.rank(cache, beams.item_ids), beams.log_probs, 0.3)
-    model.cfg.rank_fusion_weight = 0.3
+    rank = model.rank(cache, beams.item_ids)
+    seen = (beams.item_ids[:, :, None] == batch.items[:, None, :]).any(-1)
+    model.cfg.rank_fusion_weight, model.cfg.rank_fusion_weight_seen_excluded = 0.3, 2.0
     try:
         rec = model.recommend(cache, DECODE, top_k=5)
+        rec_excl = model.recommend(cache, DECODE, top_k=5, exclude_seen=True, history_items=batch.items)
     finally:
-        model.cfg.rank_fusion_weight = 1.0
-    top = torch.topk(expected, 5, dim=1)
-    torch.testing.assert_close(rec.rank_scores, top.values)
-    assert torch.equal(rec.items, torch.gather(beams.item_ids, 1, top.indices).masked_fill(torch.isinf(top.values), 0))
+        model.cfg.rank_fusion_weight, model.cfg.rank_fusion_weight_seen_excluded = 1.0, None
+    for got, expected in ((rec, fuse(rank, beams.log_probs, 0.3)),
+                          (rec_excl, fuse(rank, beams.log_probs, 2.0).masked_fill(seen, float("-inf")))):
+        top = torch.topk(expected, 5, dim=1)
+        torch.testing.assert_close(got.rank_scores, top.values)
+        assert torch.equal(got.items, torch.gather(beams.item_ids, 1, top.indices).masked_fill(torch.isinf(top.values), 0))
 
 
 def test_tuning_picks_the_best_validation_weight(small):
     data, model = small
     weights = (0.0, 0.5, 1.0, 3.0)
-    best, table = tune_fusion_weight(model, data, DECODE, weights=weights, progress=False)
-    assert set(table) == set(weights)
-    assert best in weights
-    assert table[best]["ndcg@10"] == max(m["ndcg@10"] for m in table.values())
-    assert all(0.0 <= m["ndcg@10"] <= 1.0 and not math.isnan(m["ndcg@10"]) for m in table.values())
+    best, tables = tune_fusion_weight(model, data, DECODE, weights=weights, progress=False)
+    assert set(best) == set(tables) == {"seen_included", "seen_excluded"}
+    for policy, table in tables.items():  # each policy's weight is chosen with that policy applied
+        assert set(table) == set(weights)
+        assert table[best[policy]]["ndcg@10"] == max(m["ndcg@10"] for m in table.values())
+        assert all(0.0 <= m["ndcg@10"] <= 1.0 and not math.isnan(m["ndcg@10"]) for m in table.values())

@@ -3,6 +3,7 @@ import pytest
 
 from backend_src.model.recommender import GenerativeRecommender
 from export import baselines, train
+from export import evaluate as evaluate_cli
 from serving_helpers import build_tiny_checkpoint
 
 
@@ -13,13 +14,21 @@ def test_model_refit_takes_the_fusion_weight_of_a_validation_run(tmp_path, capsy
     with pytest.raises(SystemExit):
         train.parse_args(["--out", "m.pt", "--refit", "--fusion-weight", str(tmp_path / "missing.pt")])
     assert "neither a number nor a checkpoint" in capsys.readouterr().err
-    assert train.parse_args(["--out", "m.pt", "--refit", "--fusion-weight", "0.5"]).fusion_weight == 0.5
+    assert train.parse_args(["--out", "m.pt", "--refit", "--fusion-weight", "0.5"]).fusion_weight == (0.5, 0.5)
     checkpoint = tmp_path / "valid_run.pt"
     build_tiny_checkpoint(checkpoint, item_ids=[None, *range(1, 41)], max_history=16, seed=0)
     model = GenerativeRecommender.load(checkpoint)
-    model.cfg.rank_fusion_weight = 0.75  # as export.evaluate --tune-fusion saves it
+    # as export.evaluate --tune-fusion saves them: one weight per seen-item policy
+    model.cfg.rank_fusion_weight, model.cfg.rank_fusion_weight_seen_excluded = 0.75, 1.5
     model.save(checkpoint)
-    assert train.parse_args(["--out", "m.pt", "--refit", "--fusion-weight", str(checkpoint)]).fusion_weight == 0.75
+    args = train.parse_args(["--out", "m.pt", "--refit", "--fusion-weight", str(checkpoint)])
+    assert args.fusion_weight == (0.75, 1.5)
+    # a final fit trained before the second weight existed gets both from the validation run
+    final = tmp_path / "final.pt"
+    build_tiny_checkpoint(final, item_ids=[None, *range(1, 41)], max_history=16, seed=1)
+    evaluate_cli.save_fusion_weights(GenerativeRecommender.load(final), final, args.fusion_weight)
+    cfg = GenerativeRecommender.load(final).cfg
+    assert (cfg.fusion_weight(False), cfg.fusion_weight(True)) == (0.75, 1.5)
 
 
 def test_sasrec_refit_runs_its_epochs_and_skips_validation():

@@ -140,13 +140,13 @@ class GenerativeRecommender(nn.Module):
     ) -> Recommendations:
         """Retrieve beam_width candidates by semantic-ID beam search, rank them with M-FALCON
         against the same cached history, return the top_k by ranking score ("ranker": the
-        M-FALCON logit; "fused": cfg.rank_fusion_weight * logit + retrieval log-probability)."""
+        M-FALCON logit; "fused": w * logit + retrieval log-probability, w = cfg.fusion_weight(exclude_seen))."""
         if rank_by not in ("ranker", "fused"):
             raise ValueError(f"rank_by must be 'ranker' or 'fused', got {rank_by!r}")
         beams = self.retrieve(cache, options)
         scores = self.rank(cache, beams.item_ids, microbatch_size)  # [B, W]; -inf for empty beams
         if rank_by == "fused":
-            scores = fuse(scores, beams.log_probs, self.cfg.rank_fusion_weight)
+            scores = fuse(scores, beams.log_probs, self.cfg.fusion_weight(exclude_seen))
         if exclude_seen:
             if history_items is None:
                 raise ValueError("exclude_seen needs history_items")
