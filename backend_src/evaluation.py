@@ -17,6 +17,8 @@ from backend_src.data.sequences import eval_batches
 from backend_src.metrics import MetricAccumulator
 from backend_src.model.recommender import fuse
 
+SEEN_POLICIES = ("seen_included", "seen_excluded")  # indexed by exclude (False, True)
+
 
 def drop_seen(cands: torch.Tensor, scores: torch.Tensor, history: torch.Tensor, exclude: bool = True) -> torch.Tensor:
     """Candidates [B, W] sorted by score (best first); with `exclude`, items already in the
@@ -75,7 +77,7 @@ def evaluate(
         for name, (cands, scores) in orders.items():
             for excl in (False, True):
                 ranked = drop_seen(cands, scores[excl] if isinstance(scores, dict) else scores, batch.items, exclude=excl)
-                key = f"{name}/{'seen_excluded' if excl else 'seen_included'}"
+                key = f"{name}/{SEEN_POLICIES[excl]}"
                 acc.setdefault(key, MetricAccumulator(ks)).update(ranked[:, : max(ks)], batch.target_items)
     out = {k: a.compute() for k, a in acc.items()}
     n = next(iter(acc.values())).count if acc else 0
@@ -84,9 +86,6 @@ def evaluate(
 
 
 FUSION_GRID = (0.0, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0)
-
-
-SEEN_POLICIES = ("seen_included", "seen_excluded")
 
 
 def tune_fusion_weight(model, data, options: DecodeOptions | None = None, weights=FUSION_GRID,

@@ -4,8 +4,9 @@ Modes (DecodeOptions.mode), s = selection step:
   full          every beam attends over the whole history at every step
   pfa           seed 000: steps < s full; at step s the beams' head-averaged weights, each beam
                 weighted by its normalized generation probability, rank the history once for all
-                beams; the top k rows of every later step's K/V are gathered once into contiguous
-                memory, and step t > s reads only its first k_t = max(1, ceil(k r^(t-s))) rows
+                beams; the top k rows are gathered once into contiguous memory (their K/V projected
+                for step s and every later step), and step t >= s attends over only the first
+                k_t = max(1, ceil(k r^(t-s))) of them (k_s = k)
   pfa_per_beam  the same, but every beam keeps its own ranking (reordered with its parent)
   dynamic_topk  steps < s full; from step s on every beam picks its own top k_t rows every step
 Only codes that continue an existing item are ever expanded, so every result is a real item.
