@@ -26,6 +26,8 @@ def _session(value: str):
 
 def _add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--exclude-seen", action="store_true", default=None,
+                   help="leave out items already in the session's history")
     p.add_argument("--beam-width", type=int, default=None)
     p.add_argument("--mode", default=None, help="full | pfa | pfa_per_beam | dynamic_topk")
     p.add_argument("--pfa-k", type=int, default=None)
@@ -42,7 +44,7 @@ def _add_events(p: argparse.ArgumentParser, required: bool) -> None:
 def _options(a) -> dict:
     return {
         k: getattr(a, k)
-        for k in ("top_k", "beam_width", "mode", "pfa_k", "pfa_r", "selection_step")
+        for k in ("top_k", "exclude_seen", "beam_width", "mode", "pfa_k", "pfa_r", "selection_step")
         if getattr(a, k, None) is not None
     }
 

@@ -41,6 +41,7 @@ _INT64_RANGE = 1 << 64
 # decode option keyword -> tensor of the contract
 OPTION_TENSORS = {
     "top_k": P.TOP_K,
+    "exclude_seen": P.EXCLUDE_SEEN,
     "beam_width": P.BEAM_WIDTH,
     "mode": P.DECODE_MODE,
     "pfa_k": P.PFA_K,
@@ -149,8 +150,8 @@ def _input(spec: P.TensorSpec, array: np.ndarray):
 
 
 def option_inputs(options: dict) -> list:
-    """Decode options (top_k, beam_width, mode, pfa_k, pfa_r, selection_step) -> input tensors;
-    options left out (or None) take the server's defaults."""
+    """Options (top_k, exclude_seen, beam_width, mode, pfa_k, pfa_r, selection_step) -> input
+    tensors; options left out (or None) take the server's defaults."""
     out = []
     for key, value in options.items():
         if value is None:

@@ -5,7 +5,8 @@ before the held-out item, max_len = the model's max_seq_len) goes to the server 
 (one request that starts and ends it), and the returned top-K is scored over the full catalog
 (Recall@5/10, NDCG@5/10). The same users go through ``GenerativeRecommender.recommend`` offline
 with the same decode options; the report gives both and the share of users whose served list
-equals the offline list (same items, same order).
+equals the offline list (same items, same order). --exclude-seen asks both for lists without
+the items already in each history.
 
     python -m clients.served_eval --checkpoint runs/demo/model.pt --data synthetic --users 200 --start-server
     python -m clients.served_eval --checkpoint ckpt.pt --data amazon-beauty --users 500 --url localhost:8001
@@ -61,7 +62,8 @@ def eval_histories(model, data, users: int | None):
     return b
 
 
-def offline_topk(model, batch, options: DecodeOptions, top_k: int, batch_size: int = 64, rank_by: str = "fused") -> torch.Tensor:
+def offline_topk(model, batch, options: DecodeOptions, top_k: int, batch_size: int = 64, rank_by: str = "fused",
+                 exclude_seen: bool = False) -> torch.Tensor:
     """[B, top_k] item indices from GenerativeRecommender.recommend (0 = empty slot)."""
     out = []
     with torch.no_grad():
@@ -69,17 +71,19 @@ def offline_topk(model, batch, options: DecodeOptions, top_k: int, batch_size: i
             sl = slice(s, s + batch_size)
             n = int(batch.lengths[sl].max())
             cache = model.encode(batch.items[sl, :n], batch.actions[sl, :n], batch.timestamps[sl, :n], batch.lengths[sl])
-            rec = model.recommend(cache, options, top_k=top_k, rank_by=rank_by)
+            rec = model.recommend(cache, options, top_k=top_k, rank_by=rank_by, exclude_seen=exclude_seen,
+                                  history_items=batch.items[sl, :n])
             out.append(rec.items)
     return torch.cat(out)
 
 
-def served_topk(url: str, model, batch, options: DecodeOptions, top_k: int, concurrency: int = 4) -> tuple:
+def served_topk(url: str, model, batch, options: DecodeOptions, top_k: int, concurrency: int = 4,
+                exclude_seen: bool = False) -> tuple:
     """[B, top_k] item indices from the server (0 = empty slot), and the request latencies (ms)."""
     tag = uuid.uuid4().hex[:8]
     raw = model.item_ids
     opts = dict(top_k=top_k, beam_width=options.beam_width, mode=options.mode, pfa_k=options.k, pfa_r=options.r,
-                selection_step=options.selection_step)
+                selection_step=options.selection_step, exclude_seen=exclude_seen)
     B = len(batch.lengths)
     ranked = torch.zeros(B, top_k, dtype=torch.long)
     latencies = np.zeros(B)
@@ -103,14 +107,14 @@ def served_topk(url: str, model, batch, options: DecodeOptions, top_k: int, conc
 
 
 def served_eval(model, data, url: str, users: int | None, options: DecodeOptions, top_k: int = 10, concurrency: int = 4,
-                rank_by: str = "fused") -> dict:
+                rank_by: str = "fused", exclude_seen: bool = False) -> dict:
     """The server must serve `model` with the same rank_by (ServingOptions.rank_by)."""
     batch = eval_histories(model, data, users)
     t0 = time.perf_counter()
-    served, lat = served_topk(url, model, batch, options, top_k, concurrency)
+    served, lat = served_topk(url, model, batch, options, top_k, concurrency, exclude_seen)
     served_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    offline = offline_topk(model, batch, options, top_k, rank_by=rank_by)
+    offline = offline_topk(model, batch, options, top_k, rank_by=rank_by, exclude_seen=exclude_seen)
     offline_s = time.perf_counter() - t0
     same = (served == offline).all(dim=1)
     ks = tuple(k for k in KS if k <= top_k) or (top_k,)
@@ -143,6 +147,7 @@ def main(argv=None) -> int:
     ap.add_argument("--selection-step", type=int, default=1)
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--rank-by", default="fused", choices=["ranker", "fused"], help="order of the served top-K")
+    ap.add_argument("--exclude-seen", action="store_true", help="lists without the items already in each history")
     ap.add_argument("--out", default=None, help="result JSON (default perf/results/served_eval_<data>.json)")
     a = ap.parse_args(argv)
 
@@ -152,15 +157,17 @@ def main(argv=None) -> int:
     options = DecodeOptions(mode=a.mode, beam_width=a.beam_width, k=a.pfa_k, r=a.pfa_r, selection_step=a.selection_step)
     users = a.users or None
     if a.url:
-        res = served_eval(model, data, a.url, users, options, a.top_k, a.concurrency, a.rank_by)
+        res = served_eval(model, data, a.url, users, options, a.top_k, a.concurrency, a.rank_by, a.exclude_seen)
     else:
         from export.triton_configs import ServingOptions
 
         with local_server(a.checkpoint, ServingOptions(decode=options, top_k=a.top_k, rank_by=a.rank_by)) as server:
-            res = served_eval(model, data, server.grpc_url, users, options, a.top_k, a.concurrency, a.rank_by)
+            res = served_eval(model, data, server.grpc_url, users, options, a.top_k, a.concurrency, a.rank_by,
+                              a.exclude_seen)
     rows = [{"path": p, **res[p]} for p in ("served", "offline")]
     out = Path(a.out or REPO_ROOT / "perf" / "results" / f"served_eval_{Path(a.data.split(':')[0]).name}.json")
     write_result(out, rows, checkpoint=str(a.checkpoint), data=data.name, users=res["users"], decode=vars(options), top_k=a.top_k,
+                 exclude_seen=a.exclude_seen,
                  same_list_fraction=res["same_list_fraction"], different_users=res["different_users"],
                  served_latency_ms=res["served_latency_ms"], served_seconds=res["served_seconds"], offline_seconds=res["offline_seconds"])
     print(markdown_table(rows, ["path", *METRIC_NAMES]))

@@ -135,6 +135,16 @@ def test_decode_options_per_request(served):
         assert ids.shape == (1, 3) and all(x.decode().startswith("sku-") or x == b"" for x in ids[0]), (mode, step)
         assert np.all(np.diff(r.as_numpy("RANK_SCORES")[0]) <= 0)  # best first
 
+    # EXCLUDE_SEEN: with every item a candidate, all but the session's history come back, the
+    # events of a later append left out too
+    served_ids = lambda r: {x.decode() for x in r.as_numpy("RECOMMENDED_IDS")[0]} - {""}  # noqa: E731
+    every = dict(BEAM_WIDTH=NUM_ITEMS, TOP_K=NUM_ITEMS)
+    assert served_ids(request(client, 650, hist, start=True, end=True, **every)) >= set(hist)
+    ids = served_ids(request(client, 651, hist, start=True, EXCLUDE_SEEN=True, **every))
+    assert len(ids) == NUM_ITEMS - len(hist) and not ids & set(hist)
+    ids = served_ids(request(client, 651, [item_id(14)], timestamps=[10**6], end=True, EXCLUDE_SEEN=True, **every))
+    assert len(ids) == NUM_ITEMS - len(hist) - 1 and not ids & {*hist, item_id(14)}
+
 
 def test_bad_requests_fail_alone(served):
     client = served["client"]
@@ -170,6 +180,11 @@ def test_bad_requests_fail_alone(served):
     ts = _input(P.TIMESTAMPS, np.array([[1, 2]], np.int64))
     with pytest.raises(InferenceServerException, match="ACTIONS"):
         client.infer(P.ENSEMBLE, [ids, bad, ts], sequence_id=311, sequence_start=True)
+    acts = _input(P.ACTIONS, np.ones((1, 2), np.int64))
+    flag = grpcclient.InferInput(P.EXCLUDE_SEEN.name, [1, 1], "INT32")
+    flag.set_data_from_numpy(np.ones((1, 1), np.int32))
+    with pytest.raises(InferenceServerException, match="EXCLUDE_SEEN"):
+        client.infer(P.ENSEMBLE, [ids, acts, ts, flag], sequence_id=312, sequence_start=True)
     # session 203 was not changed by its refused append
     r = request(client, 203, [item_id(9)], timestamps=[10**6], end=True)
     assert r.as_numpy("HISTORY_LENGTH").tolist() == [[3]]

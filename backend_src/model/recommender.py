@@ -24,11 +24,12 @@ from backend_src.model.semantic_ids import SemanticIdCodebook
 CHECKPOINT_FORMAT = 1
 
 
-def fuse(rank_scores: torch.Tensor, log_probs: torch.Tensor, weight: float) -> torch.Tensor:
+def fuse(rank_scores: torch.Tensor, log_probs: torch.Tensor, weight) -> torch.Tensor:
     """The fused order's score, weight * M-FALCON logit + retrieval log-probability (a product
-    of the two experts); a candidate the ranker scores -inf (an empty slot) stays -inf."""
-    fused = log_probs + weight * rank_scores if weight else log_probs
-    return fused.masked_fill(rank_scores == float("-inf"), float("-inf"))
+    of the two experts); weight is a number or broadcasts against the scores (e.g. [B, 1], one
+    per request). A candidate the ranker scores -inf (an empty slot) stays -inf (also where a
+    zero weight made 0 * -inf a NaN)."""
+    return (log_probs + weight * rank_scores).masked_fill(rank_scores == float("-inf"), float("-inf"))
 
 
 @dataclass

@@ -18,7 +18,8 @@ Flow (one request of a user session, sequence id = session id):
       history_encoder  events -> per-session HistoryCache (sequence batching, kept in the
                        instance), outputs the session's whole cached history
       pfa_decoder      HISTORY_STATES -> CANDIDATE_* (constrained semantic-ID beam search)
-      mfalcon_ranker   HISTORY_KEYS/VALUES/TIMESTAMPS + CANDIDATE_* -> top-K
+      mfalcon_ranker   HISTORY_KEYS/VALUES/TIMESTAMPS/ITEMS + CANDIDATE_* -> top-K (with
+                       EXCLUDE_SEEN, the candidates already in the history left out)
 """
 from __future__ import annotations
 
@@ -100,8 +101,10 @@ DECODE_MODE = TensorSpec("DECODE_MODE", "BYTES", (1,), optional=True, doc="full 
 PFA_K = TensorSpec("PFA_K", "INT32", (1,), optional=True, doc="history rows kept at the selection step")
 PFA_R = TensorSpec("PFA_R", "FP32", (1,), optional=True, doc="budget ratio of later steps, (0, 1]")
 SELECTION_STEP = TensorSpec("SELECTION_STEP", "INT32", (1,), optional=True, doc="decoding step that selects rows")
+EXCLUDE_SEEN = TensorSpec("EXCLUDE_SEEN", "BOOL", (1,), optional=True,
+                          doc="leave out items already in the session's history (default: keep them)")
 DECODE_OPTION_INPUTS = (BEAM_WIDTH, DECODE_MODE, PFA_K, PFA_R, SELECTION_STEP)
-OPTION_INPUTS = (TOP_K,) + DECODE_OPTION_INPUTS
+OPTION_INPUTS = (TOP_K, EXCLUDE_SEEN) + DECODE_OPTION_INPUTS
 
 RECOMMENDED_IDS = TensorSpec("RECOMMENDED_IDS", "BYTES", (-1,), doc="raw item ids, best first; empty string = no item")
 RANK_SCORES = TensorSpec("RANK_SCORES", "FP32", (-1,), doc="M-FALCON ranking logits (-inf = no item)")
@@ -117,6 +120,7 @@ HISTORY_STATES = TensorSpec("HISTORY_STATES", "FP32", (-1, "D"), doc="final HSTU
 HISTORY_KEYS = TensorSpec("HISTORY_KEYS", "FP32", ("L", -1, "H", "DH"), doc="per-layer keys of the history rows")
 HISTORY_VALUES = TensorSpec("HISTORY_VALUES", "FP32", ("L", -1, "H", "DH"), doc="per-layer values of the history rows")
 HISTORY_TIMESTAMPS = TensorSpec("HISTORY_TIMESTAMPS", "INT64", (-1,), doc="timestamps of the history rows")
+HISTORY_ITEMS = TensorSpec("HISTORY_ITEMS", "INT64", (-1,), doc="item indices of the history rows")
 
 CANDIDATE_ITEMS = TensorSpec("CANDIDATE_ITEMS", "INT64", (-1,), doc="beam item indices (0 = empty beam)")
 CANDIDATE_LOG_PROBS = TensorSpec("CANDIDATE_LOG_PROBS", "FP32", (-1,), doc="beam log-probabilities")
@@ -140,7 +144,7 @@ class ModelContract:
 ENCODER_CONTRACT = ModelContract(
     ENCODER,
     inputs=(ITEM_IDS, ACTIONS, TIMESTAMPS) + OPTION_INPUTS,  # options only validated here
-    outputs=(HISTORY_STATES, HISTORY_KEYS, HISTORY_VALUES, HISTORY_TIMESTAMPS, HISTORY_LENGTH, TRUNCATED),
+    outputs=(HISTORY_STATES, HISTORY_KEYS, HISTORY_VALUES, HISTORY_TIMESTAMPS, HISTORY_ITEMS, HISTORY_LENGTH, TRUNCATED),
     ragged=("ITEM_IDS", "ACTIONS", "TIMESTAMPS"),
 )
 DECODER_CONTRACT = ModelContract(
@@ -151,9 +155,11 @@ DECODER_CONTRACT = ModelContract(
 )
 RANKER_CONTRACT = ModelContract(
     RANKER,
-    inputs=(HISTORY_KEYS, HISTORY_VALUES, HISTORY_TIMESTAMPS, CANDIDATE_ITEMS, CANDIDATE_LOG_PROBS, CANDIDATE_CODES, TOP_K),
+    inputs=(HISTORY_KEYS, HISTORY_VALUES, HISTORY_TIMESTAMPS, HISTORY_ITEMS, CANDIDATE_ITEMS, CANDIDATE_LOG_PROBS,
+            CANDIDATE_CODES, TOP_K, EXCLUDE_SEEN),
     outputs=(RECOMMENDED_IDS, RANK_SCORES, RETRIEVAL_LOG_PROBS, SEMANTIC_IDS),
-    ragged=("HISTORY_KEYS", "HISTORY_VALUES", "HISTORY_TIMESTAMPS", "CANDIDATE_ITEMS", "CANDIDATE_LOG_PROBS", "CANDIDATE_CODES"),
+    ragged=("HISTORY_KEYS", "HISTORY_VALUES", "HISTORY_TIMESTAMPS", "HISTORY_ITEMS", "CANDIDATE_ITEMS",
+            "CANDIDATE_LOG_PROBS", "CANDIDATE_CODES"),
 )
 ENSEMBLE_CONTRACT = ModelContract(
     ENSEMBLE,

@@ -169,6 +169,12 @@ def _int_in(values: Mapping, name: str, lo: int, hi: int):
     return v
 
 
+def flag(values: Mapping, name: str) -> bool:
+    """An optional BOOL option (absent: False)."""
+    v = _scalar(values, name)
+    return False if v is None else bool(v)
+
+
 def parse_options(values: Mapping, defaults: DecodeOptions, default_top_k: int, limits: Limits) -> tuple:
     """Option tensors of one request (name -> array; missing ones absent or None) ->
     (top_k, DecodeOptions), defaults filled in from the model's config."""

@@ -36,6 +36,7 @@ class _Plan:
         self.items, self.actions, self.timestamps = items, actions, timestamps  # new (or re-encoded) events
         self.reencode, self.truncated = reencode, truncated
         self.cache = None
+        self.history_items = None  # [n] items of the history rows once committed
 
 
 class TritonPythonModel:
@@ -156,6 +157,7 @@ class TritonPythonModel:
         else:
             s = p.session
             items, actions, ts = (torch.cat([a, b]) for a, b in ((s.items, p.items), (s.actions, p.actions), (s.timestamps, p.timestamps)))
+        p.history_items = items  # the history rows' items, for the ranker's EXCLUDE_SEEN
         if p.end:
             self.store.end(p.key)
         else:
@@ -169,6 +171,7 @@ class TritonPythonModel:
             P.HISTORY_KEYS.name: c.keys[:, :, :n].transpose(0, 1),  # [1, L, n, H, dh]
             P.HISTORY_VALUES.name: c.values[:, :, :n].transpose(0, 1),
             P.HISTORY_TIMESTAMPS.name: c.timestamps[:, :n],  # [1, n]
+            P.HISTORY_ITEMS.name: p.history_items[None],  # [1, n]
         }
         tensors = [pb_utils.Tensor(k, np.ascontiguousarray(v.cpu().numpy())) for k, v in outs.items()]
         tensors.append(pb_utils.Tensor(P.HISTORY_LENGTH.name, np.array([[n]], dtype=np.int64)))

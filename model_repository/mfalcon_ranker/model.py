@@ -5,7 +5,8 @@ and to themselves only, in microbatches. Requests batched together are ranked in
 (histories padded to the longest). The ranker runs on the fastest runtime this version holds
 (backend_src.serving.ranker_runtime): a TensorRT plan on a GPU host, ``ranker.onnx`` in ONNX
 Runtime, else torch. The top TOP_K by ranking score come back with their raw item ids,
-retrieval log-probabilities and semantic IDs.
+retrieval log-probabilities and semantic IDs; with EXCLUDE_SEEN, candidates already in the
+session's history are left out and the fused order takes the checkpoint's weight for that policy.
 """
 import json
 import sys
@@ -62,6 +63,7 @@ class TritonPythonModel:
         keys = read(P.HISTORY_KEYS)[0]  # [L, n, H, dh]
         values = read(P.HISTORY_VALUES)[0]
         ts = read(P.HISTORY_TIMESTAMPS)[0]  # [n]
+        history_items = read(P.HISTORY_ITEMS)[0]  # [n]
         cands = read(P.CANDIDATE_ITEMS)[0]  # [W]
         log_probs = read(P.CANDIDATE_LOG_PROBS)[0]
         codes = read(P.CANDIDATE_CODES)[0]  # [W, C]
@@ -69,11 +71,14 @@ class TritonPythonModel:
         top_k = self.default_top_k if top_k is None else int(top_k.reshape(-1)[0])
         if not 1 <= top_k <= self.max_top_k:
             raise V.RequestError(f"TOP_K must be in [1, {self.max_top_k}], got {top_k}")
-        if not (keys.shape[1] == values.shape[1] == ts.shape[0]) or not (cands.shape[0] == log_probs.shape[0] == codes.shape[0]):
+        exclude_seen = V.flag({P.EXCLUDE_SEEN.name: read(P.EXCLUDE_SEEN)}, P.EXCLUDE_SEEN.name)
+        if not (keys.shape[1] == values.shape[1] == ts.shape[0] == history_items.shape[0]) or not (
+            cands.shape[0] == log_probs.shape[0] == codes.shape[0]
+        ):
             raise V.RequestError("mfalcon_ranker: inconsistent history or candidate lengths")
         if cands.shape[0] > self.max_beams:
             raise V.RequestError(f"too many candidates: {cands.shape[0]} > {self.max_beams}")
-        return keys, values, ts, cands, log_probs, codes, top_k
+        return keys, values, ts, cands, log_probs, codes, top_k, history_items, exclude_seen
 
     def _scores(self, reqs):
         """Ranking logits [B, M] for the batch (padded histories and candidate lists)."""
@@ -88,10 +93,17 @@ class TritonPythonModel:
         cands = pad([torch.from_numpy(r[3]).clamp(min=0) for r in reqs], batch_first=True)  # [B, M]; 0 = none, scored -inf
         with torch.inference_mode():
             scores = torch.as_tensor(self.runtime.score(keys, values, ts, lengths, cands, self.microbatch)).float().cpu()
+        exclude = torch.tensor([r[8] for r in reqs])  # [B] EXCLUDE_SEEN of each request
         if self.rank_by == "fused":  # weighted ranker logit + retrieval log-probability
             log_probs = pad([torch.from_numpy(r[4]).float() for r in reqs], batch_first=True, padding_value=float("-inf"))
-            scores = self.fuse(scores, log_probs, self.model.cfg.rank_fusion_weight)
-        return scores.masked_fill(cands == 0, float("-inf"))
+            # the weight of each request's seen-item policy (chosen on validation under it)
+            weight = torch.tensor([self.model.cfg.fusion_weight(bool(e)) for e in exclude])[:, None]
+            scores = self.fuse(scores, log_probs, weight)
+        drop = cands == 0
+        if bool(exclude.any()):  # candidates already in the history of a request that excludes them
+            history = pad([torch.from_numpy(r[7]) for r in reqs], batch_first=True)  # [B, n], 0 = padding
+            drop |= (cands[:, :, None] == history[:, None, :]).any(-1) & exclude[:, None]
+        return scores.masked_fill(drop, float("-inf"))
 
     def execute(self, requests):
         P, V, torch = self.P, self.V, self.torch
@@ -114,7 +126,7 @@ class TritonPythonModel:
                 responses[i] = pb_utils.InferenceResponse(error=err)
             return responses
         top_scores, top = top_scores.numpy(), top.numpy()
-        for b, (i, (_, _, _, cands, log_probs, codes, top_k)) in enumerate(batch):
+        for b, (i, (_, _, _, cands, log_probs, codes, top_k, _, _)) in enumerate(batch):
             kk = min(top_k, cands.shape[0])
             s = top_scores[b, :kk].astype(np.float32)
             empty = ~np.isfinite(s)
