@@ -105,6 +105,9 @@ def sequence_input_data(streams: list, options: dict) -> dict:
     are given (perf_analyzer would otherwise fill optional inputs with random data)."""
     from clients.client import OPTION_TENSORS
 
+    missing = sorted(set(OPTION_TENSORS) - set(options))
+    if missing:
+        raise ValueError(f"perf_analyzer input data needs every option (it would send random values): {missing}")
     opt = {}
     for key, value in options.items():
         spec = OPTION_TENSORS[key]
@@ -372,7 +375,8 @@ def main(argv=None) -> int:
     max_len = model.cfg.max_seq_len
     open_hist = min(a.open_history, max_len - 1)
     long_n = min(a.history, max_len)
-    options = dict(top_k=a.top_k, beam_width=a.beam_width, mode=a.mode, pfa_k=a.pfa_k, pfa_r=0.5, selection_step=1)
+    options = dict(top_k=a.top_k, exclude_seen=False, beam_width=a.beam_width, mode=a.mode, pfa_k=a.pfa_k, pfa_r=0.5,
+                   selection_step=1)
     long_options = dict(options, beam_width=100)
     decode = lambda o: DecodeOptions(mode=o["mode"], beam_width=o["beam_width"], k=o["pfa_k"], r=o["pfa_r"], selection_step=o["selection_step"])  # noqa: E731
     serving = ServingOptions(decode=decode(options), top_k=a.top_k, ranker_backend=a.ranker_backend, torch_threads=a.torch_threads,

@@ -26,8 +26,8 @@ DATA_SPEC = "synthetic:users=80,items=60,clusters=4,seed=3"
 MAX_HISTORY = 20
 DECODE = DecodeOptions(mode="pfa", beam_width=8, k=8, r=0.5, selection_step=1)
 TOP_K = 5
-OPTIONS = dict(top_k=TOP_K, beam_width=DECODE.beam_width, mode=DECODE.mode, pfa_k=DECODE.k, pfa_r=DECODE.r,
-               selection_step=DECODE.selection_step)
+OPTIONS = dict(top_k=TOP_K, exclude_seen=False, beam_width=DECODE.beam_width, mode=DECODE.mode, pfa_k=DECODE.k,
+               pfa_r=DECODE.r, selection_step=DECODE.selection_step)
 
 
 @pytest.fixture(scope="module")
