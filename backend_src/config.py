@@ -31,8 +31,9 @@ class ModelConfig:
 
     def fusion_weight(self, exclude_seen: bool = False) -> float:
         """The fused order's ranker weight under a seen-item policy."""
-        w = self.rank_fusion_weight_seen_excluded if exclude_seen else None
-        return self.rank_fusion_weight if w is None else w
+        if exclude_seen and self.rank_fusion_weight_seen_excluded is not None:
+            return self.rank_fusion_weight_seen_excluded
+        return self.rank_fusion_weight
 
     @property
     def num_codes(self) -> int:

@@ -149,14 +149,18 @@ def unknown_items_error(exc: KeyError) -> RequestError:
 # ------------------------------------------------------------------------------------------
 # Options
 # ------------------------------------------------------------------------------------------
-def _scalar(values: Mapping, name: str):
-    v = values.get(name)
+def _one(v, name: str):
+    """The single value of an option tensor (None if the option is absent)."""
     if v is None:
         return None
     v = np.asarray(v).reshape(-1)
     if v.size != 1:
         raise RequestError(f"input '{name}' must hold one value, got {v.size}")
     return v[0]
+
+
+def _scalar(values: Mapping, name: str):
+    return _one(values.get(name), name)
 
 
 def _int_in(values: Mapping, name: str, lo: int, hi: int):
@@ -169,9 +173,9 @@ def _int_in(values: Mapping, name: str, lo: int, hi: int):
     return v
 
 
-def flag(values: Mapping, name: str) -> bool:
-    """An optional BOOL option (absent: False)."""
-    v = _scalar(values, name)
+def flag(value, name: str) -> bool:
+    """An optional BOOL option tensor (None, absent: False)."""
+    v = _one(value, name)
     return False if v is None else bool(v)
 
 

@@ -71,7 +71,7 @@ class TritonPythonModel:
         top_k = self.default_top_k if top_k is None else int(top_k.reshape(-1)[0])
         if not 1 <= top_k <= self.max_top_k:
             raise V.RequestError(f"TOP_K must be in [1, {self.max_top_k}], got {top_k}")
-        exclude_seen = V.flag({P.EXCLUDE_SEEN.name: read(P.EXCLUDE_SEEN)}, P.EXCLUDE_SEEN.name)
+        exclude_seen = V.flag(read(P.EXCLUDE_SEEN), P.EXCLUDE_SEEN.name)
         if not (keys.shape[1] == values.shape[1] == ts.shape[0] == history_items.shape[0]) or not (
             cands.shape[0] == log_probs.shape[0] == codes.shape[0]
         ):
@@ -97,7 +97,8 @@ class TritonPythonModel:
         if self.rank_by == "fused":  # weighted ranker logit + retrieval log-probability
             log_probs = pad([torch.from_numpy(r[4]).float() for r in reqs], batch_first=True, padding_value=float("-inf"))
             # the weight of each request's seen-item policy (chosen on validation under it)
-            weight = torch.tensor([self.model.cfg.fusion_weight(bool(e)) for e in exclude])[:, None]
+            cfg = self.model.cfg
+            weight = torch.where(exclude, cfg.fusion_weight(True), cfg.fusion_weight(False))[:, None]
             scores = self.fuse(scores, log_probs, weight)
         drop = cands == 0
         if bool(exclude.any()):  # candidates already in the history of a request that excludes them
