@@ -22,6 +22,7 @@ class ModelConfig:
     decoder_heads: int = 2
     shared_kv_projection: bool = False  # PFA ablation: one K/V projection for all steps
     ranker_negatives: int = 64
+    ranker_hard_fraction: float = 0.5  # share of the ranker negatives that share the positive's first code
     dense_temperature: float = 0.0  # > 0: the dense head scores cosine similarity / temperature
     # served ("fused") order: w * M-FALCON logit + retrieval log-probability, w chosen on the
     # validation split after training (export.train, export.evaluate --tune-fusion), once with

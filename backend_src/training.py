@@ -22,10 +22,14 @@ from backend_src.model.semantic_ids import SemanticIdCodebook
 
 
 class NegativeSampler:
-    """Ranking negatives: half uniform over the catalog, half hard ones that share the positive's
-    first semantic-ID code (the beam search hands the ranker exactly such near misses)."""
+    """Ranking negatives: hard ones that share the positive's first semantic-ID code (the beam
+    search hands the ranker exactly such near misses), a `hard_fraction` of them, and the rest
+    uniform over the catalog."""
 
-    def __init__(self, codes: torch.Tensor, num_items: int):
+    def __init__(self, codes: torch.Tensor, num_items: int, hard_fraction: float = 0.5):
+        if not 0.0 <= hard_fraction <= 1.0:
+            raise ValueError(f"hard_fraction must be in [0, 1], got {hard_fraction}")
+        self.hard_fraction = hard_fraction
         first = codes[1:, 0]  # [I] level-0 code of items 1..I
         order = torch.argsort(first, stable=True)
         self.items_by_code = order + 1  # item indices grouped by first code
@@ -37,7 +41,7 @@ class NegativeSampler:
 
     def sample(self, positives: torch.Tensor, n: int, generator: torch.Generator) -> torch.Tensor:
         B = positives.shape[0]
-        n_hard = n // 2
+        n_hard = int(n * self.hard_fraction)
         uniform = torch.randint(1, self.num_items + 1, (B, n - n_hard), generator=generator)
         code = self.first[positives]  # [B]
         offs = (torch.rand(B, n_hard, generator=generator) * self.group_size[code][:, None]).long()
@@ -119,7 +123,7 @@ def train(
 ) -> TrainState:
     gen = torch.Generator().manual_seed(tcfg.seed)
     rng = np.random.default_rng(tcfg.seed)
-    sampler = NegativeSampler(model.codebook.codes, model.cfg.num_items)
+    sampler = NegativeSampler(model.codebook.codes, model.cfg.num_items, model.cfg.ranker_hard_fraction)
     opt = torch.optim.AdamW(model.parameters(), lr=tcfg.lr, weight_decay=tcfg.weight_decay, betas=(0.9, 0.98))
     state = TrainState()
     start = time.time()

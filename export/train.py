@@ -63,6 +63,8 @@ def parse_args(argv=None):
     p.add_argument("--dense-temperature", type=float, default=0.0,
                    help="> 0: the dense head scores cosine similarity / this temperature (0: dot product)")
     p.add_argument("--ranker-negatives", type=int, default=64, help="sampled negatives per ranker positive")
+    p.add_argument("--ranker-hard-fraction", type=float, default=0.5,
+                   help="share of the ranker negatives drawn among items sharing the positive's first code")
     p.add_argument("--valid-users", type=int, default=2000,
                    help="users in the per-epoch validation check (a fixed random sample)")
     p.add_argument("--test-users", type=int, default=None, help="limit the final test evaluation")
@@ -95,6 +97,7 @@ def main(argv=None):
         codebook_sizes=tuple(args.codebook or preset["codebook"]) + (1,),
         shared_kv_projection=args.shared_kv,
         ranker_negatives=args.ranker_negatives,
+        ranker_hard_fraction=args.ranker_hard_fraction,
         dense_temperature=args.dense_temperature,
     )
     if args.fusion_weight is not None:

@@ -49,3 +49,27 @@ def test_sampled_dense_loss_over_every_item_is_the_full_softmax():
     emb = torch.nn.functional.normalize(model.backbone.item_embedding.weight[1:], dim=-1)
     logits = torch.nn.functional.normalize(states, dim=-1) @ emb.T / 0.05
     assert torch.allclose(cos, torch.nn.functional.cross_entropy(logits, targets - 1), atol=1e-5)
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.25, 0.5, 1.0])
+def test_ranker_negatives_share_the_first_code_in_the_asked_fraction(fraction):
+    """The first int(n * fraction) negatives of a positive share its first semantic-ID code, the
+    rest are uniform over the catalog; a fraction outside [0, 1] is refused."""
+    import torch
+
+    from backend_src.training import NegativeSampler
+
+    gen = torch.Generator().manual_seed(0)
+    first = torch.arange(400) % 8  # items 1..400 in 8 first-code groups of 50
+    codes = torch.cat([torch.tensor([[-1, -1, -1, -1]]), torch.stack([first, first, first, first], 1)])
+    sampler = NegativeSampler(codes, 400, fraction)
+    positives = torch.randint(1, 401, (64,), generator=gen)
+    neg = sampler.sample(positives, 32, gen)
+    assert neg.shape == (64, 32) and int(neg.min()) >= 1 and int(neg.max()) <= 400
+    n_hard = int(32 * fraction)
+    same = codes[neg, 0] == codes[positives, 0][:, None]
+    assert bool(same[:, :n_hard].all())
+    if n_hard < 32:  # uniform draws over 8 groups: about 1 in 8 share the code by chance
+        assert float(same[:, n_hard:].float().mean()) < 0.3
+    with pytest.raises(ValueError, match="hard_fraction"):
+        NegativeSampler(codes, 400, 1.5)
