@@ -15,7 +15,7 @@ from tqdm import tqdm
 from backend_src.config import DecodeOptions
 from backend_src.data.sequences import eval_batches
 from backend_src.metrics import MetricAccumulator
-from backend_src.model.recommender import fuse
+from backend_src.model.recommender import fuse, seen_in_history
 
 SEEN_POLICIES = ("seen_included", "seen_excluded")  # indexed by exclude (False, True)
 
@@ -25,7 +25,7 @@ def drop_seen(cands: torch.Tensor, scores: torch.Tensor, history: torch.Tensor, 
     history [B, N] (and empty slots) fall to the end as 0."""
     if not exclude:
         return torch.gather(cands, 1, torch.argsort(scores, dim=1, descending=True, stable=True))
-    seen = (cands[:, :, None] == history[:, None, :]).any(-1) | (cands == 0)
+    seen = seen_in_history(cands, history) | (cands == 0)
     order = torch.argsort(scores.masked_fill(seen, float("-inf")), dim=1, descending=True, stable=True)
     return torch.gather(cands, 1, order).masked_fill(torch.gather(seen, 1, order), 0)
 

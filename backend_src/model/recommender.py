@@ -32,6 +32,12 @@ def fuse(rank_scores: torch.Tensor, log_probs: torch.Tensor, weight) -> torch.Te
     return (log_probs + weight * rank_scores).masked_fill(rank_scores == float("-inf"), float("-inf"))
 
 
+def seen_in_history(candidates: torch.Tensor, history: torch.Tensor) -> torch.Tensor:
+    """candidates [B, W], history [B, N] item indices -> [B, W] bool: the candidate is one of its
+    row's history items (a history padded with 0 matches only the empty candidate 0)."""
+    return (candidates[:, :, None] == history[:, None, :]).any(-1)
+
+
 @dataclass
 class Recommendations:
     items: torch.Tensor  # [B, K] item index (0 = empty slot)
@@ -151,8 +157,7 @@ class GenerativeRecommender(nn.Module):
         if exclude_seen:
             if history_items is None:
                 raise ValueError("exclude_seen needs history_items")
-            seen = (beams.item_ids[:, :, None] == history_items[:, None, :]).any(-1)
-            scores = scores.masked_fill(seen, float("-inf"))
+            scores = scores.masked_fill(seen_in_history(beams.item_ids, history_items), float("-inf"))
         k = min(top_k, scores.shape[1])
         top = torch.topk(scores, k, dim=1).indices
         items = torch.gather(beams.item_ids, 1, top)

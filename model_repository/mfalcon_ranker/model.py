@@ -31,11 +31,11 @@ class TritonPythonModel:
             sys.path.insert(0, root)
         import torch
 
-        from backend_src.model.recommender import GenerativeRecommender, fuse
+        from backend_src.model.recommender import GenerativeRecommender, fuse, seen_in_history
         from backend_src.serving import protocol as P
         from backend_src.serving import validation as V
 
-        self.torch, self.P, self.V, self.fuse = torch, P, V, fuse
+        self.torch, self.P, self.V, self.fuse, self.seen_in_history = torch, P, V, fuse, seen_in_history
         torch.set_num_threads(int(params.get("torch_threads", 1)))
         vdir = Path(args["model_repository"]) / args["model_version"]
         self.model = GenerativeRecommender.load(vdir / "model.pt")
@@ -103,7 +103,7 @@ class TritonPythonModel:
         drop = cands == 0
         if bool(exclude.any()):  # candidates already in the history of a request that excludes them
             history = pad([torch.from_numpy(r[7]) for r in reqs], batch_first=True)  # [B, n], 0 = padding
-            drop |= (cands[:, :, None] == history[:, None, :]).any(-1) & exclude[:, None]
+            drop |= self.seen_in_history(cands, history) & exclude[:, None]
         return scores.masked_fill(drop, float("-inf"))
 
     def execute(self, requests):
