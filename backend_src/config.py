@@ -101,5 +101,8 @@ class TrainConfig:
     # (model selection on validation); 1 = the test target only, a final refit whose epochs and
     # fusion weight come from a validation run (the HSTU public code trains this way)
     end_offset: int = 2
+    # the codes each level's cross-entropy normalizes over: "all" C_t codes, or "valid": only
+    # those continuing the target's prefix to some item, the set beam search normalizes over
+    code_loss: str = "all"
     seed: int = 0
     extra: dict = field(default_factory=dict)

@@ -1,6 +1,7 @@
 """Training of the generative recommender: one HSTU backbone, two heads trained together.
 
-loss = sum_t CE(decoder logits at level t, next item's code t)      (generative retrieval)
+loss = sum_t CE(decoder logits at level t, next item's code t)      (generative retrieval; over all
+                                                                     codes or the prefix's valid ones)
      + ranker_weight * CE(M-FALCON score of next item vs negatives)  (target-aware ranking)
      + dense_weight  * CE(state @ item embeddings, next item)        (auxiliary: shapes the backbone)
 """
@@ -71,8 +72,7 @@ def losses(model: GenerativeRecommender, batch, sampler: NegativeSampler, tcfg: 
     valid = targets > 0
     codes = model.codebook.codes[targets]  # [B, N, 4]
     logits = model.decoder.training_logits(cache.states, batch.lengths, codes)
-    gen_loss = sum(F.cross_entropy(lt[valid], codes[..., t][valid]) for t, lt in enumerate(logits))
-    out = {"retrieval": gen_loss}
+    out = {"retrieval": code_loss(model.codebook, [lt[valid] for lt in logits], codes[valid], tcfg.code_loss)}
 
     if tcfg.ranker_weight > 0:
         # one random position per user: its next item against sampled negatives
@@ -88,6 +88,23 @@ def losses(model: GenerativeRecommender, batch, sampler: NegativeSampler, tcfg: 
         negatives = torch.randint(1, model.cfg.num_items + 1, (n_neg,), generator=gen) if n_neg > 0 else None
         out["dense"] = dense_weight * dense_loss(model, cache.states[valid], targets[valid], negatives)
     return out
+
+
+def code_loss(codebook: SemanticIdCodebook, logits: list, codes: torch.Tensor, over: str = "all") -> torch.Tensor:
+    """Sum over levels t of the cross-entropy of the target's code t (logits [P, C_t] per level,
+    codes [P, 4]), normalized over all C_t codes ("all") or only over the codes that continue the
+    target's level-t prefix to some item ("valid"): the softmax constrained beam search takes,
+    so training spends nothing on codes decoding never scores and the level-t loss becomes
+    -log p(code_t | prefix) among its siblings (0 where the prefix has one child)."""
+    if over not in ("all", "valid"):
+        raise ValueError(f"code loss must be over 'all' or 'valid' codes, got {over!r}")
+    prefixes = codebook.level_prefixes(codes) if over == "valid" else None  # [P, 5]
+    total = 0.0
+    for t, lt in enumerate(logits):
+        if prefixes is not None:
+            lt = lt + codebook.code_bias(prefixes[:, t], t)  # -inf on codes off the prefix
+        total = total + F.cross_entropy(lt, codes[:, t])
+    return total
 
 
 def dense_loss(model: GenerativeRecommender, states, targets, negatives: torch.Tensor | None = None):

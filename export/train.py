@@ -65,6 +65,9 @@ def parse_args(argv=None):
     p.add_argument("--ranker-negatives", type=int, default=64, help="sampled negatives per ranker positive")
     p.add_argument("--ranker-hard-fraction", type=float, default=0.5,
                    help="share of the ranker negatives drawn among items sharing the positive's first code")
+    p.add_argument("--code-loss", choices=["all", "valid"], default="all",
+                   help="each level's cross-entropy over all codes, or only those continuing the target's prefix "
+                        "(the codes constrained beam search normalizes over)")
     p.add_argument("--valid-users", type=int, default=2000,
                    help="users in the per-epoch validation check (a fixed random sample)")
     p.add_argument("--test-users", type=int, default=None, help="limit the final test evaluation")
@@ -111,6 +114,7 @@ def main(argv=None):
         stochastic_length_alpha=args.alpha,
         ranker_weight=args.ranker_weight,
         end_offset=1 if args.refit else 2,
+        code_loss=args.code_loss,
         seed=args.seed,
         extra={"dense_weight": args.dense_weight, "dense_negatives": args.dense_negatives},
     )

@@ -73,3 +73,52 @@ def test_ranker_negatives_share_the_first_code_in_the_asked_fraction(fraction):
         assert float(same[:, n_hard:].float().mean()) < 0.3
     with pytest.raises(ValueError, match="hard_fraction"):
         NegativeSampler(codes, 400, 1.5)
+
+
+def test_code_loss_over_valid_codes_is_the_softmax_beam_search_takes():
+    """'valid': each level's cross-entropy is over the codes continuing the target's prefix, i.e.
+    minus the log-probability a constrained beam step gives the target's code; a level whose
+    prefix has one child adds 0; 'all' is the plain cross-entropy over every code."""
+    import torch
+    import torch.nn.functional as F
+
+    from backend_src.model.semantic_ids import SemanticIdCodebook
+    from backend_src.training import code_loss
+
+    # items: (0,0,0,0) (0,0,1,0) (0,2,0,0) (1,1,0,0) (1,1,0,1); sizes 2 / 3 / 2 / 2
+    cb = SemanticIdCodebook.from_codes(torch.tensor([[0, 0, 0, 0], [0, 0, 1, 0], [0, 2, 0, 0], [1, 1, 0, 0],
+                                                     [1, 1, 0, 1]]))
+    codes = cb.codes[1:]  # [5, 4]
+    torch.manual_seed(0)
+    logits = [torch.randn(5, c) for c in cb.codebook_sizes]
+    plain = sum(F.cross_entropy(lt, codes[:, t]) for t, lt in enumerate(logits))
+    assert torch.allclose(code_loss(cb, logits, codes, "all"), plain)
+
+    # by hand: per item, the sibling codes at each level (the target's own included)
+    siblings = {1: {0: [0, 2], 1: [1]}, 2: {(0, 0): [0, 1], (0, 2): [0], (1, 1): [0]},
+                3: {(0, 0, 0): [0], (0, 0, 1): [0], (0, 2, 0): [0], (1, 1, 0): [0, 1]}}
+    expected = F.cross_entropy(logits[0], codes[:, 0])  # every level-0 code continues some item
+    for t in (1, 2, 3):
+        terms = []
+        for i, c in enumerate(codes.tolist()):
+            key = c[0] if t == 1 else tuple(c[:t])
+            allowed = siblings[t][key]
+            terms.append(-torch.log_softmax(logits[t][i, allowed], 0)[allowed.index(c[t])])
+        expected = expected + torch.stack(terms).mean()
+    valid = code_loss(cb, logits, codes, "valid")
+    assert torch.allclose(valid, expected, atol=1e-6)
+    assert valid < plain  # fewer competitors at every level
+    with pytest.raises(ValueError, match="'all' or 'valid'"):
+        code_loss(cb, logits, codes, "siblings")
+
+
+def test_level_prefixes_follow_the_codes_and_end_at_the_item():
+    import torch
+
+    from backend_src.model.semantic_ids import SemanticIdCodebook
+
+    cb = SemanticIdCodebook.from_codes(torch.tensor([[0, 0, 0, 0], [0, 2, 0, 0], [1, 1, 0, 0]]))
+    p = cb.level_prefixes(torch.tensor([[0, 2, 0, 0], [1, 1, 0, 0], [1, 0, 0, 0]]))
+    assert p[:, 0].tolist() == [0, 0, 0]  # the root
+    assert cb.items_of(p[:, -1]).tolist() == [2, 3, 0]  # (1, 0, ...) is no item
+    assert p[2, 2].item() == -1  # it leaves every item at level 1

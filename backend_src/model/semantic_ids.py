@@ -413,12 +413,18 @@ class SemanticIdCodebook(nn.Module):
         items = self.leaf_item[final_prefix_ids.clamp_min(0)]
         return torch.where(final_prefix_ids >= 0, items, torch.zeros_like(items))
 
+    def level_prefixes(self, codes: torch.Tensor) -> torch.Tensor:
+        """Codes [..., 4] -> [..., 5]: column t is the level-t prefix id that code t continues
+        (column 0 the root, 0), column 4 the final prefix id (-1 from where the codes leave
+        every item)."""
+        p = [torch.zeros(codes.shape[:-1], dtype=torch.long, device=codes.device)]
+        for t in range(NUM_LEVELS):
+            p.append(self.advance(p[-1], codes[..., t], t))
+        return torch.stack(p, dim=-1)
+
     def prefix_of_codes(self, codes: torch.Tensor) -> torch.Tensor:
         """Codes [..., 4] -> final prefix ids (-1 where the codes are not an item)."""
-        p = torch.zeros(codes.shape[:-1], dtype=torch.long, device=codes.device)
-        for t in range(NUM_LEVELS):
-            p = self.advance(p, codes[..., t], t)
-        return p
+        return self.level_prefixes(codes)[..., -1]
 
     def items_of_codes(self, codes: torch.Tensor) -> torch.Tensor:
         """Codes [..., 4] -> item indices (0 where the codes are not an item)."""
