@@ -14,9 +14,9 @@ RUNS = {  # row label -> (result file stem, model name in the file)
     "ours: after ranking, fused (served order)": ("quality_beauty_refit", "hstu-fused"),
     "SASRec, our pipeline, full softmax": ("baseline_sasrec_beauty_refit", "sasrec"),
 }
-ANCHORS = {  # published numbers (not ours): seen items not excluded / excluded
+ANCHORS = {  # reference numbers not measured by this project: seen items not excluded / excluded
     False: {"TIGER (published)": (0.0454, 0.0321, 0.0648, 0.0384)},
-    True: {"HSTU public code, 70 epochs (R@10 / N@10 only)": (None, None, 0.098, 0.057)},
+    True: {"HSTU public code, 70 epochs (anchor; R@10 / N@10 only)": (None, None, 0.098, 0.057)},
 }
 
 
