@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import argparse
 import math
+import statistics
+import time
 
 import torch
 
@@ -131,6 +133,52 @@ def attention_macs(mode: str, n: int, beams: int, heads: int, head_dim: int, k: 
     return {"attn_macs": qk + av, "qk_macs": qk, "av_macs": av, "selection_ops": sel}
 
 
+def decode_macs(opts: DecodeOptions, n: int, d_model: int, heads: int, code_sizes, shared_kv: bool = False) -> dict:
+    """Multiply-accumulates of one user's whole decode as ``generate`` executes it on the CPU:
+    the history K/V projections, the history attention and the beams' own layers. Unlike
+    attention_macs (the paper's rule) it counts the work done, not the rows that matter: step 0's
+    one beam attends in state space, dynamic top-k multiplies its zeroed weights densely, PFA
+    recomputes the selection step's logits over the kept rows. Elementwise work (softmax, norms,
+    GELU, top-k) is not counted: the ratio of two counts is what the decode could gain if every
+    multiply ran at one rate.
+
+    head       per beam and step: q_proj D^2, o_proj D^2, MLP 4 D^2, output layer D C_t (dense)
+    projection D x D per row for a key alone, 2 D^2 for a key and a value
+    """
+    D, H, W, T = d_model, heads, opts.beam_width, len(code_sizes)
+    dh, s = D // H, opts.selection_step
+    proj = attn = head = 0.0
+    kv_projected = set()  # steps whose every row has a key and value (a shared decoder: one pair)
+    for t in range(T):
+        beams = 1 if t == 0 else W  # (enough items continue every level here)
+        head += beams * (6 * D * D + D * code_sizes[t])
+        kt = min(opts.budget(t), n)
+        full_step = opts.mode == "full" or t < s
+        if full_step and beams == 1:  # state space: W_k^T q, logits and pooling over D, W_v
+            attn += H * (2 * dh * D + 2 * n * D)
+            continue
+        if not (opts.mode == "pfa" and t > s):  # every row's K/V (only the key when PFA selects)
+            pair = 0 if shared_kv else t
+            if opts.mode == "pfa" and t == s and not shared_kv:
+                proj += n * D * D
+            elif pair not in kv_projected:
+                kv_projected.add(pair)
+                proj += n * 2 * D * D
+        if full_step:
+            attn += 2 * beams * H * n * dh
+        elif opts.mode == "pfa":
+            if t == s:  # pooled selection over every row, then the kept rows' K/V for steps >= s
+                attn += beams * H * n * (dh + 1)
+                if not shared_kv:
+                    proj += sum(min(opts.budget(u), n) for u in range(s, T)) * 2 * D * D
+            attn += 2 * beams * H * kt * dh
+        elif opts.mode == "pfa_per_beam":  # each beam's own ranking: dense at s, its own rows later
+            attn += 2 * beams * H * (n if t == s else kt) * dh
+        else:  # dynamic_topk: every beam's top k_t by dense weights, the others zeroed
+            attn += 2 * beams * H * n * dh
+    return {"decode_macs": proj + attn + head, "projection_macs": proj, "attention_macs": attn, "head_macs": head}
+
+
 # --------------------------------------------------------------------------------------------
 # Benchmark
 # --------------------------------------------------------------------------------------------
@@ -163,14 +211,16 @@ def parse_args(argv=None):
     p.add_argument("--cuda-graphs", action="store_true",
                    help="on a GPU, time replays of each decode captured into a CUDA graph (the device's work "
                         "without per-op launch cost) instead of eager calls")
-    p.add_argument("--profile", action="store_true",
-                   help="also record the slowest ops of full vs pfa per history length (torch profiler)")
+    p.add_argument("--phase-runs", type=int, default=None,
+                   help="decodes of full and pfa timed by phase per history length (default 7; 0: none)")
     args = p.parse_args(argv)
     if args.quick:
-        d = dict(histories=[32, 64], users=[2, 2], items=600, reps=2, warmup=1, max_seconds=5.0, beam=16)
+        d = dict(histories=[32, 64], users=[2, 2], items=600, reps=2, warmup=1, max_seconds=5.0, beam=16,
+                 phase_runs=1)
         args.beam = d.pop("beam")
     else:
-        d = dict(histories=[128, 512, 2048], users=[32, 32, 8], items=16384, reps=7, warmup=1, max_seconds=90.0)
+        d = dict(histories=[128, 512, 2048], users=[32, 32, 8], items=16384, reps=7, warmup=1, max_seconds=90.0,
+                 phase_runs=7)
     fill_defaults(args, d)
     if args.cuda_graphs and not args.device.startswith("cuda"):
         p.error("--cuda-graphs needs --device cuda")
@@ -181,14 +231,54 @@ def parse_args(argv=None):
     return args
 
 
-def profile_ops(fn, top: int = 12) -> list[dict]:
-    """Self CPU time per op over one run of fn, slowest first."""
-    from torch.profiler import ProfilerActivity, profile
+# where a decode's time goes: phase -> the calls of ``generate`` timed under it (the ops module's
+# attention ops, the decoder's methods); the rest of the decode is its beam bookkeeping
+PHASES = {
+    "history_attention": [(ops, "decode_attention"), (ops, "pfa_select"), (ops, "dynamic_topk_attention"),
+                          ("decoder", "attend_states")],
+    "kv_projection": [("decoder", "project_step")],
+    "beam_layers": [("decoder", "query"), ("decoder", "head"), ("decoder", "code_embedding")],
+}
 
-    with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU]) as prof:
-        fn()
-    rows = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
-    return [{"op": e.key, "self_ms": e.self_cpu_time_total / 1e3, "calls": e.count} for e in rows]
+
+def phase_times_ms(decode, decoder, runs: int) -> dict:
+    """Median ms per phase over `runs` calls of decode() on the CPU, each call timed whole and by
+    phase: the calls listed in PHASES are wrapped with a clock for the duration (and unwrapped
+    after); "beam_bookkeeping" is the rest (constrained log-softmax, top-k, the codebook's tables,
+    reordering the beams). CPU ops return when done, so a call's clock is its work."""
+    spent = dict.fromkeys(PHASES, 0.0)
+    patched = []
+
+    def clocked(fn, phase):
+        def call(*args, **kwargs):
+            start = time.perf_counter()
+            out = fn(*args, **kwargs)
+            spent[phase] += time.perf_counter() - start
+            return out
+        return call
+
+    for phase, targets in PHASES.items():
+        for owner, name in targets:
+            owner = decoder if owner == "decoder" else owner
+            patched.append((owner, name, owner.__dict__.get(name)))
+            setattr(owner, name, clocked(getattr(owner, name), phase))
+    samples = []
+    try:
+        decode()  # warm
+        for _ in range(runs):
+            for phase in spent:
+                spent[phase] = 0.0
+            start = time.perf_counter()
+            decode()
+            total = time.perf_counter() - start
+            samples.append({**spent, "beam_bookkeeping": total - sum(spent.values()), "total": total})
+    finally:
+        for owner, name, original in reversed(patched):
+            if original is None:
+                delattr(owner, name)  # the class's method again
+            else:
+                setattr(owner, name, original)
+    return {k: statistics.median(s[k] for s in samples) * 1e3 for k in samples[0]}
 
 
 def graph_all(calls: dict) -> dict:
@@ -221,7 +311,7 @@ def main(argv=None) -> dict:
     dataset = f"synthetic-{args.items}-items-sid{'x'.join(map(str, sizes))}"
     model_name = f"SemanticIdDecoder(random init, d{args.d_model}, {args.heads} heads)"
     head_dim = args.d_model // args.heads
-    rows, profiles = [], {}
+    rows, phases = [], []
     for n, users in zip(args.histories, args.users):
         gen = torch.Generator().manual_seed(args.seed + n)
         states = torch.randn(users, n, args.d_model, generator=gen).to(dev)  # like LayerNorm outputs
@@ -246,6 +336,7 @@ def main(argv=None) -> dict:
         full_s = median_s(times["full"])
         attn_share = min(1.0, 3 * median_s(times["attention_step"]) / full_s)
         full_cost = attention_macs("full", n, args.beam, args.heads, head_dim, 256, 1.0, 1)
+        full_work = decode_macs(DecodeOptions(beam_width=args.beam, mode="full"), n, args.d_model, args.heads, sizes)
         proj_s = {False: median_s(times["project_history"]), True: median_s(times["project_history_shared"])}
         log(f"  history {n}, {users} users: full {full_s * 1e3:.1f} ms/batch "
             f"(K/V projection {proj_s[False] * 1e3:.1f} ms, attention {attn_share:.0%} of it), "
@@ -254,6 +345,7 @@ def main(argv=None) -> dict:
             fields, shared = VARIANTS[name]
             opts = DecodeOptions(beam_width=args.beam, **fields)
             cost = attention_macs(opts.mode, n, args.beam, args.heads, head_dim, opts.k, opts.r, opts.selection_step)
+            work = decode_macs(opts, n, args.d_model, args.heads, sizes, shared)
             stats = summary_ms(times[name])
             med = median_s(times[name])
             row = {
@@ -274,6 +366,8 @@ def main(argv=None) -> dict:
                 "selection_ops_per_user": cost["selection_ops"],
                 "attn_mac_ratio_vs_full": ratio(full_cost["attn_macs"], cost["attn_macs"]),
                 "total_ops_ratio_vs_full": ratio(full_cost["attn_macs"], cost["attn_macs"] + cost["selection_ops"]),
+                "decode_macs_per_user": work["decode_macs"],
+                "decode_mac_ratio_vs_full": ratio(full_work["decode_macs"], work["decode_macs"]),
                 "paper_latency_ms": PAPER_LATENCY_MS.get(name),
                 "paper_speedup_vs_full": ratio(PAPER_LATENCY_MS["full"], PAPER_LATENCY_MS[name])
                 if name in PAPER_LATENCY_MS else None,
@@ -284,13 +378,25 @@ def main(argv=None) -> dict:
             rows.append(row)
             log(f"    {name:20s} {stats['latency_ms_p50']:9.1f} ms  x{row['speedup_vs_full']:.2f} vs full  "
                 f"MACs x{row['attn_mac_ratio_vs_full']:.2f} fewer")
-        if args.profile:
+        if args.phase_runs and not dev.startswith("cuda"):  # (a GPU would sync at every timed call)
+            timed = {}
             for name in ("full", "pfa"):
                 fields, shared = VARIANTS[name]
                 opts = DecodeOptions(beam_width=args.beam, **fields)
-                profiles[f"{name}@{n}"] = profile_ops(
-                    lambda o=opts, dec=decoders[shared]: generate(dec, codebook, states, lengths, o)
-                )
+                decode = (lambda o=opts, dec=decoders[shared]: generate(dec, codebook, states, lengths, o))
+                timed[name] = phase_times_ms(decode, decoders[shared], args.phase_runs)
+                work = decode_macs(opts, n, args.d_model, args.heads, sizes, shared)
+                timed[name]["history_macs"] = work["projection_macs"] + work["attention_macs"]
+            # PFA if its history side (attention and projections) ran at full attention's time per
+            # multiply-accumulate, the rest as measured: the most fewer MACs can give this decode
+            f, p = timed["full"], timed["pfa"]
+            history_ms = (f["history_attention"] + f["kv_projection"]) * p["history_macs"] / f["history_macs"]
+            p["speedup_bound_at_full_mac_rate"] = f["total"] / (p["beam_layers"] + p["beam_bookkeeping"] + history_ms)
+            f["speedup_bound_at_full_mac_rate"] = 1.0
+            for name, t in timed.items():
+                phases.append({"history": n, "users": users, "mode": name, **t})
+                log(f"    phases of {name} (ms): " + ", ".join(f"{k} {t[k]:.1f}" for k in (*PHASES, "beam_bookkeeping", "total"))
+                    + f"; bound at full attention's time per MAC x{t['speedup_bound_at_full_mac_rate']:.2f}")
     # the paper's default setting (history 512, k 256, r 0.5, s 1), counted by the same rule
     ref = {m: attention_macs(m, 512, 100, 2, 32, 256, r, 1) for m, r in (("full", 1.0), ("pfa", 0.5))}
     dyn = attention_macs("dynamic_topk", 512, 100, 2, 32, 256, 1.0, 1)
@@ -312,8 +418,8 @@ def main(argv=None) -> dict:
                        full_vs_pfa=ref["full"]["attn_macs"] / ref["pfa"]["attn_macs"],
                        dynamic_vs_pfa=dyn["attn_macs"] / ref["pfa"]["attn_macs"])),
     )
-    if profiles:
-        extra["profile_self_ms"] = profiles
+    if phases:
+        extra["phases_ms"] = phases
     path = args.out / "decode_latency.json"
     return save_result(path, rows, "perf.bench_decode", argv, load_start, **extra)
 

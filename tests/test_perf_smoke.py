@@ -51,6 +51,14 @@ def test_decode_rows(results):
         assert _finite(r["latency_ms_per_user_p50"]) and _finite(r["project_history_ms_p50"])
         if r["mode"] == "full":
             assert r["speedup_vs_full"] == 1.0 and r["attn_mac_ratio_vs_full"] == 1.0
+        assert _finite(r["decode_mac_ratio_vs_full"])
+    # full and PFA timed by phase at every history length; the phases add up to the decode
+    phases = blob["phases_ms"]
+    assert {(p["history"], p["mode"]) for p in phases} == {(r["history"], m) for r in rows for m in ("full", "pfa")}
+    for p in phases:
+        parts = [p[k] for k in ("history_attention", "kv_projection", "beam_layers", "beam_bookkeeping")]
+        assert all(x > 0 for x in parts[:3]) and abs(sum(parts) - p["total"]) < 1e-6
+        assert _finite(p["speedup_bound_at_full_mac_rate"])
     # the analytical count reproduces the paper's theoretical ratios at its setting
     ours = blob["paper"]["our_count_at_paper_setting"]
     assert abs(ours["full_vs_pfa"] - 2.65) < 0.02 and abs(ours["dynamic_vs_pfa"] - 1.99) < 0.02
@@ -96,6 +104,52 @@ def test_mac_count_rules():
     # a history shorter than k reads every row: no savings after selection
     short = attention_macs("pfa", 128, 100, 2, 32, 256, 1.0, 1)
     assert short["attn_macs"] == attention_macs("full", 128, 100, 2, 32, 256, 1.0, 1)["attn_macs"]
+
+
+def test_decode_mac_count():
+    from backend_src.config import DecodeOptions
+    from perf.bench_decode import decode_macs
+
+    D, H, dh, n, W, sizes = 64, 2, 32, 512, 100, (256, 256, 256, 8)
+    full = decode_macs(DecodeOptions(mode="full", beam_width=W), n, D, H, sizes)
+    pfa = decode_macs(DecodeOptions(mode="pfa", beam_width=W, k=256, r=0.5, selection_step=1), n, D, H, sizes)
+    # the beams' layers: 6 D^2 + D C_t per beam and step, one beam at step 0
+    head = 6 * D * D * (1 + 3 * W) + D * (256 + W * (256 + 256 + 8))
+    assert full["head_macs"] == pfa["head_macs"] == head
+    # step 0 in state space; then K and V of every row and attention over every row, 3 steps
+    step0 = H * (2 * dh * D + 2 * n * D)
+    assert full["projection_macs"] == 3 * n * 2 * D * D
+    assert full["attention_macs"] == step0 + 3 * 2 * W * H * n * dh
+    # PFA: keys of every row, K and V of the 256 + 128 + 64 kept rows; the selection's logits and
+    # pooling over every row, attention over the kept prefixes
+    assert pfa["projection_macs"] == n * D * D + (256 + 128 + 64) * 2 * D * D
+    assert pfa["attention_macs"] == step0 + W * H * n * (dh + 1) + 2 * W * H * dh * (256 + 128 + 64)
+    assert full["decode_macs"] == sum(full[k] for k in ("projection_macs", "attention_macs", "head_macs"))
+    # a shared projection: K and V of every row once, the kept rows gathered, not projected
+    shared = decode_macs(DecodeOptions(mode="pfa", beam_width=W), n, D, H, sizes, shared_kv=True)
+    assert shared["projection_macs"] == n * 2 * D * D
+
+
+def test_phase_timer_restores_the_decoder():
+    """Timing by phase wraps the decoder's methods and the attention ops for its runs only."""
+    import torch
+
+    from backend_src import ops
+    from backend_src.config import DecodeOptions
+    from backend_src.decoding.beam_search import generate
+    from perf.bench_decode import build, phase_times_ms
+
+    codebook, decoders = build(600, 16, 2, 32, seed=0)
+    decoder = decoders[False]
+    states, lengths = torch.randn(2, 32, 16), torch.tensor([32, 20])
+    original = ops.decode_attention
+    for mode in ("full", "pfa"):
+        opts = DecodeOptions(mode=mode, beam_width=8, k=16)
+        expected = generate(decoder, codebook, states, lengths, opts).item_ids
+        times = phase_times_ms(lambda: generate(decoder, codebook, states, lengths, opts), decoder, runs=2)
+        assert times["history_attention"] > 0 and times["beam_layers"] > 0 and times["total"] > 0
+        assert ops.decode_attention is original and not {"head", "query", "project_step"} & set(vars(decoder))
+        assert torch.equal(generate(decoder, codebook, states, lengths, opts).item_ids, expected)
 
 
 def test_report_gpu_section(results, tmp_path):
