@@ -395,8 +395,9 @@ def main(argv=None) -> dict:
             f["speedup_bound_at_full_mac_rate"] = 1.0
             for name, t in timed.items():
                 phases.append({"history": n, "users": users, "mode": name, **t})
-                log(f"    phases of {name} (ms): " + ", ".join(f"{k} {t[k]:.1f}" for k in (*PHASES, "beam_bookkeeping", "total"))
-                    + f"; bound at full attention's time per MAC x{t['speedup_bound_at_full_mac_rate']:.2f}")
+                spent = ", ".join(f"{k} {t[k]:.1f}" for k in (*PHASES, "beam_bookkeeping", "total"))
+                log(f"    phases of {name} (ms): {spent}; "
+                    f"bound at full attention's time per MAC x{t['speedup_bound_at_full_mac_rate']:.2f}")
     # the paper's default setting (history 512, k 256, r 0.5, s 1), counted by the same rule
     ref = {m: attention_macs(m, 512, 100, 2, 32, 256, r, 1) for m, r in (("full", 1.0), ("pfa", 0.5))}
     dyn = attention_macs("dynamic_topk", 512, 100, 2, 32, 256, 1.0, 1)

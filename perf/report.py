@@ -134,7 +134,8 @@ def ranking_section(blob: dict, out_dir: Path) -> list[str]:
         sub = [r for r in rows if r["candidates"] == m]
         lines += [f"### {m} candidates, history {sub[0]['history']}", "",
                   markdown_table(_fmt_rows(sub), RANKING_COLUMNS, ".3g"), ""]
-    best = [r for r in rows if r["candidates"] == 1024 and r.get("speedup_vs_naive") and r["mode"] != "naive_full_forward"]
+    best = [r for r in rows
+            if r["candidates"] == 1024 and r.get("speedup_vs_naive") and r["mode"] != "naive_full_forward"]
     if best and goal:
         b = max(best, key=lambda r: r["speedup_vs_naive"])
         lines += [f"At 1024 candidates the best microbatch ({b['microbatch']}) is {b['speedup_vs_naive']:.0f}x the "
