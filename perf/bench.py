@@ -1,7 +1,7 @@
 """Runs every offline benchmark in one go -- decode latency, ranking throughput, incremental
 encoding -- then writes RESULTS.md and the plots.
 
-    python -m perf.bench            # default configurations (about 15 minutes on 2 cores)
+    python -m perf.bench            # default configurations (about a minute on 2 cores)
     python -m perf.bench --quick    # tiny smoke configurations (seconds)
 """
 from __future__ import annotations
