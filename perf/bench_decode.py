@@ -336,7 +336,8 @@ def main(argv=None) -> dict:
         full_s = median_s(times["full"])
         attn_share = min(1.0, 3 * median_s(times["attention_step"]) / full_s)
         full_cost = attention_macs("full", n, args.beam, args.heads, head_dim, 256, 1.0, 1)
-        full_work = decode_macs(DecodeOptions(beam_width=args.beam, mode="full"), n, args.d_model, args.heads, sizes)
+        works = {name: decode_macs(DecodeOptions(beam_width=args.beam, **VARIANTS[name][0]), n, args.d_model,
+                                   args.heads, sizes, VARIANTS[name][1]) for name in names}
         proj_s = {False: median_s(times["project_history"]), True: median_s(times["project_history_shared"])}
         log(f"  history {n}, {users} users: full {full_s * 1e3:.1f} ms/batch "
             f"(K/V projection {proj_s[False] * 1e3:.1f} ms, attention {attn_share:.0%} of it), "
@@ -345,7 +346,7 @@ def main(argv=None) -> dict:
             fields, shared = VARIANTS[name]
             opts = DecodeOptions(beam_width=args.beam, **fields)
             cost = attention_macs(opts.mode, n, args.beam, args.heads, head_dim, opts.k, opts.r, opts.selection_step)
-            work = decode_macs(opts, n, args.d_model, args.heads, sizes, shared)
+            work = works[name]
             stats = summary_ms(times[name])
             med = median_s(times[name])
             row = {
@@ -367,7 +368,7 @@ def main(argv=None) -> dict:
                 "attn_mac_ratio_vs_full": ratio(full_cost["attn_macs"], cost["attn_macs"]),
                 "total_ops_ratio_vs_full": ratio(full_cost["attn_macs"], cost["attn_macs"] + cost["selection_ops"]),
                 "decode_macs_per_user": work["decode_macs"],
-                "decode_mac_ratio_vs_full": ratio(full_work["decode_macs"], work["decode_macs"]),
+                "decode_mac_ratio_vs_full": ratio(works["full"]["decode_macs"], work["decode_macs"]),
                 "paper_latency_ms": PAPER_LATENCY_MS.get(name),
                 "paper_speedup_vs_full": ratio(PAPER_LATENCY_MS["full"], PAPER_LATENCY_MS[name])
                 if name in PAPER_LATENCY_MS else None,
@@ -378,15 +379,11 @@ def main(argv=None) -> dict:
             rows.append(row)
             log(f"    {name:20s} {stats['latency_ms_p50']:9.1f} ms  x{row['speedup_vs_full']:.2f} vs full  "
                 f"MACs x{row['attn_mac_ratio_vs_full']:.2f} fewer")
-        if args.phase_runs and not dev.startswith("cuda"):  # (a GPU would sync at every timed call)
+        if args.phase_runs and "pfa" in names and not dev.startswith("cuda"):  # (a GPU: a sync per call)
             timed = {}
             for name in ("full", "pfa"):
-                fields, shared = VARIANTS[name]
-                opts = DecodeOptions(beam_width=args.beam, **fields)
-                decode = (lambda o=opts, dec=decoders[shared]: generate(dec, codebook, states, lengths, o))
-                timed[name] = phase_times_ms(decode, decoders[shared], args.phase_runs)
-                work = decode_macs(opts, n, args.d_model, args.heads, sizes, shared)
-                timed[name]["history_macs"] = work["projection_macs"] + work["attention_macs"]
+                timed[name] = phase_times_ms(calls[name], decoders[VARIANTS[name][1]], args.phase_runs)
+                timed[name]["history_macs"] = works[name]["projection_macs"] + works[name]["attention_macs"]
             # PFA if its history side (attention and projections) ran at full attention's time per
             # multiply-accumulate, the rest as measured: the most fewer MACs can give this decode
             f, p = timed["full"], timed["pfa"]
