@@ -1,4 +1,4 @@
-"""Serving pieces without a server: session store, request validation, generated configs,
+"""Serving pieces without a server: request validation, generated configs,
 publishing and rollback of model versions."""
 import shutil
 
@@ -10,67 +10,16 @@ from tritonclient.grpc import model_config_pb2
 
 from backend_src.config import DecodeOptions, ModelConfig
 from backend_src.serving import protocol as P
-from backend_src.serving.session_store import Session, SessionStore, SessionTooLarge
-from backend_src.serving.validation import Limits, RequestError, check_events, check_shape, parse_options
+from backend_src.serving.validation import (
+    MAX_TIMESTAMP, Limits, RequestError, check_decoder_inputs, check_events, check_ranker_inputs, check_shape,
+    check_timestamps, error_code, parse_options,
+)
 from export import publish as pub
 from export.triton_configs import ServingOptions, render, write_configs
 
 CFG = ModelConfig(num_items=50, d_model=16, num_layers=2, num_heads=2, max_seq_len=20, codebook_sizes=(4, 4, 4, 3))
 SIZES = P.model_sizes(CFG)
 LIMITS = Limits(max_history=20, num_actions=8, num_codes=4)
-
-
-# ------------------------------------------------------------------------------ session store
-class Clock:
-    def __init__(self):
-        self.t = 0.0
-
-    def __call__(self):
-        return self.t
-
-
-def _session(n_bytes_rows: int) -> Session:
-    ev = torch.arange(4)
-    return Session(cache=torch.zeros(n_bytes_rows, dtype=torch.uint8), items=ev, actions=ev, timestamps=ev)
-
-
-def test_store_lru_bound_evicts_least_recent():
-    per = _session(1000).nbytes
-    store = SessionStore(max_bytes=3 * per, idle_timeout_s=100)
-    for k in ("a", "b", "c"):
-        store.put(k, _session(1000))
-    store.get("a")  # a becomes most recent: b is now the oldest
-    evicted = store.put("d", _session(1000))
-    assert evicted == ["b"]
-    assert set(store._sessions) == {"a", "c", "d"} and store.total_bytes == 3 * per
-    assert "evicted to keep session memory" in store.why_missing("b")
-    assert store.stats()["evicted_memory"] == 1
-
-
-def test_store_replace_keeps_byte_count_and_refuses_oversized():
-    store = SessionStore(max_bytes=10_000)
-    store.put(1, _session(100))
-    store.put(1, _session(200))
-    assert len(store) == 1 and store.total_bytes == _session(200).nbytes
-    with pytest.raises(SessionTooLarge):
-        store.put(2, _session(20_000))
-    assert 2 not in store and len(store) == 1
-
-
-def test_store_idle_timeout_and_end():
-    clock = Clock()
-    store = SessionStore(max_bytes=1 << 20, idle_timeout_s=10, clock=clock)
-    store.put("old", _session(10))
-    clock.t = 8
-    store.put("new", _session(10))
-    clock.t = 15
-    assert store.sweep() == ["old"]
-    assert "idle" in store.why_missing("old") and "new" in store
-    assert store.end("new") and len(store) == 0 and store.total_bytes == 0
-    assert "already ended" in store.why_missing("new")
-    assert "never started" in store.why_missing("other")
-    store.put("old", _session(10))  # a restarted session is known again
-    assert store.get("old") is not None
 
 
 # ------------------------------------------------------------------------------ validation
@@ -104,6 +53,131 @@ def test_event_checks_name_the_problem():
     check_events(3, a, np.array([100, 100, 101]), LIMITS, False, 100)
 
 
+def test_timestamps_compared_without_overflow():
+    a = np.array([1, 2, 3])
+    # np.diff wraps around on these: -2**63 after 200 looked in order, and a refusal of
+    # [-10, 2**63 - 1] called it out of order
+    with pytest.raises(RequestError, match=r"TIMESTAMPS out of range at positions 2 \(values -9223372036854775808\)"):
+        check_events(3, a, np.array([100, 200, -(2**63)], np.int64), LIMITS, True, None)
+    with pytest.raises(RequestError, match=r"TIMESTAMPS out of range at positions 0, 1 .*\[0, 9007199254740991\]"):
+        check_events(2, a[:2], np.array([-10, 2**63 - 1], np.int64), LIMITS, True, None)
+    with pytest.raises(RequestError, match="out of range at positions 1"):
+        check_events(2, a[:2], np.array([0, MAX_TIMESTAMP + 1], np.int64), LIMITS, True, None)
+    with pytest.raises(RequestError, match=rf"out of order: event 1 at 0 is before event 0 at {MAX_TIMESTAMP}"):
+        check_events(2, a[:2], np.array([MAX_TIMESTAMP, 0], np.int64), LIMITS, True, None)
+    check_events(3, a, np.array([0, MAX_TIMESTAMP, MAX_TIMESTAMP], np.int64), LIMITS, True, None)  # the whole range
+    with pytest.raises(RequestError, match="HISTORY_TIMESTAMPS out of order: row 2 at 5 is before row 1 at 9"):
+        check_timestamps(np.array([1, 9, 5], np.int64), "HISTORY_TIMESTAMPS", what="row")
+
+
+def test_decoder_input_checks():
+    states = np.zeros((1, 5, CFG.d_model), np.float32)
+    check_decoder_inputs(states, max_history=20)
+    for bad in (np.nan, np.inf, -np.inf):
+        s = states.copy()
+        s[0, 3, 7] = bad
+        with pytest.raises(RequestError, match=r"HISTORY_STATES holds 1 non-finite value\(s\).* index \[0, 3, 7\]"):
+            check_decoder_inputs(s, 20)
+    with pytest.raises(RequestError, match="HISTORY_STATES has no rows"):
+        check_decoder_inputs(states[:, :0], 20)
+    with pytest.raises(RequestError, match="HISTORY_STATES has 5 history rows, more than the model's max history 4"):
+        check_decoder_inputs(states, 4)
+
+
+def _ranker_inputs(n=3, W=4):
+    """A valid ranker request (batch dim 1) for CFG; the last candidate is an empty beam."""
+    L, H, DH, C = SIZES["L"], SIZES["H"], SIZES["DH"], SIZES["C"]
+    codes = np.tile(np.arange(C, dtype=np.int32) % 3, (1, W, 1))
+    codes[0, -1] = -1
+    return dict(
+        keys=np.zeros((1, L, n, H, DH), np.float32),
+        values=np.ones((1, L, n, H, DH), np.float32),
+        timestamps=1000 + np.arange(n, dtype=np.int64)[None],
+        history_items=np.arange(1, n + 1, dtype=np.int64)[None],
+        candidates=np.array([list(range(1, W)) + [0]], np.int64),
+        log_probs=np.array([[-1.0] * (W - 1) + [-np.inf]], np.float32),  # -inf: empty beam, allowed
+        codes=codes,
+    )
+
+
+def _rank_check(max_history=20, max_candidates=16, **replace):
+    inputs = {**_ranker_inputs(), **replace}
+    check_ranker_inputs(
+        **inputs, num_items=CFG.num_items, codebook_sizes=CFG.codebook_sizes,
+        max_history=max_history, max_candidates=max_candidates,
+    )
+
+
+def _with(name, index, value):
+    x = _ranker_inputs()[name].copy()
+    x[index] = value
+    return x
+
+
+def test_ranker_input_checks():
+    _rank_check()
+    good = _ranker_inputs()
+    few, more = _ranker_inputs(n=2, W=3), _ranker_inputs(n=4, W=5)
+    int64_max = np.iinfo(np.int64).max
+    cases = [
+        # shapes that disagree between inputs, and sizes out of bounds
+        (dict(values=few["values"]), r"disagree on the number of rows n: HISTORY_KEYS has 3, HISTORY_VALUES has 2"),
+        (dict(timestamps=more["timestamps"]), "HISTORY_TIMESTAMPS has 4"),
+        (dict(history_items=few["history_items"]), "HISTORY_ITEMS has 2"),
+        (dict(log_probs=few["log_probs"]), r"disagree on the number of candidates W: .*CANDIDATE_LOG_PROBS has 3"),
+        (dict(codes=more["codes"]), "CANDIDATE_CODES has 5"),
+        ({k: v[:, :, :0] if k in ("keys", "values") else v[:, :0] for k, v in good.items() if k in
+          ("keys", "values", "timestamps", "history_items")}, "HISTORY_KEYS has no rows"),
+        (dict(max_history=2), "HISTORY_KEYS has 3 history rows, more than the model's max history 2"),
+        (dict(candidates=good["candidates"][:, :0], log_probs=good["log_probs"][:, :0], codes=good["codes"][:, :0]),
+         "CANDIDATE_ITEMS is empty"),
+        (dict(max_candidates=3), "CANDIDATE_ITEMS has too many candidates: 4 > 3"),
+        # item indices: negative, past the catalogue, INT64_MAX
+        (dict(history_items=_with("history_items", (0, 1), -1)),
+         r"HISTORY_ITEMS holds item indices out of range at positions 1 \(values -1\)"),
+        (dict(history_items=_with("history_items", (0, 0), int64_max)), "HISTORY_ITEMS holds item indices out of range"),
+        (dict(candidates=_with("candidates", (0, 0), -100000)),
+         r"CANDIDATE_ITEMS .* \(values -100000\): item indices are 0..50"),
+        (dict(candidates=_with("candidates", (0, 1), CFG.num_items + 1)),
+         "CANDIDATE_ITEMS holds item indices out of range at positions 1"),
+        (dict(candidates=_with("candidates", (0, 2), int64_max)), f"CANDIDATE_ITEMS .*{int64_max}"),
+        # timestamps
+        (dict(timestamps=_with("timestamps", (0, 2), -(2**63))), "HISTORY_TIMESTAMPS out of range at positions 2"),
+        (dict(timestamps=_with("timestamps", (0, 1), int64_max)), "HISTORY_TIMESTAMPS out of range at positions 1"),
+        (dict(timestamps=_with("timestamps", (0, 2), 0)), "HISTORY_TIMESTAMPS out of order: row 2 at 0"),
+        # candidate log-probs and codes
+        (dict(log_probs=_with("log_probs", (0, 1), np.nan)), r"CANDIDATE_LOG_PROBS holds NaN or \+inf at positions 1"),
+        (dict(log_probs=_with("log_probs", (0, 0), np.inf)), r"CANDIDATE_LOG_PROBS holds NaN or \+inf at positions 0"),
+        (dict(codes=_with("codes", (0, 1, 3), 3)),
+         r"CANDIDATE_CODES out of range .* candidate 1, level 3: 3; level sizes are \[4, 4, 4, 3\]"),
+        # -1 names no code, and candidate 0 is not an empty beam
+        (dict(codes=_with("codes", (0, 0, 0), -1)), "CANDIDATE_CODES out of range .* candidate 0, level 0: -1"),
+        (dict(codes=_with("codes", (0, 3, 0), -2)), "candidate 3, level 0: -2"),
+        # history K/V
+        (dict(keys=_with("keys", (0, 1, 2, 0, 5), np.nan)),
+         r"HISTORY_KEYS holds 1 non-finite value\(s\).* \[0, 1, 2, 0, 5\]"),
+        (dict(values=_with("values", (0, 0, 0, 1, 0), -np.inf)), "HISTORY_VALUES holds 1 non-finite value"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(RequestError, match=message):
+            _rank_check(**kwargs)
+    # an empty beam anywhere (item 0, -inf, codes -1) is fine, so is a real code on it
+    _rank_check(log_probs=_with("log_probs", (0, 0), -np.inf), candidates=_with("candidates", (0, 0), 0),
+                codes=_with("codes", (0, 0), -1))
+    _rank_check(codes=_with("codes", (0, 3), 0))
+
+
+def test_error_codes():
+    class Codes:  # stands in for TritonError's code constants
+        NOT_FOUND, UNAVAILABLE, INVALID_ARG = "not-found", "unavailable", "invalid"
+
+    assert error_code(P.NOT_FOUND, Codes) == "not-found"
+    assert error_code(P.RESOURCE_EXHAUSTED, Codes) == "unavailable"
+    assert error_code("UNAVAILABLE", Codes) == "unavailable"
+    for status in (P.INVALID_ARGUMENT, P.FAILED_PRECONDITION, "anything else"):
+        assert error_code(status, Codes) == "invalid"
+
+
 def test_options_defaults_and_ranges():
     d = DecodeOptions(mode="pfa", beam_width=16, k=32, r=0.5, selection_step=1)
     top_k, o = parse_options({}, d, 10, LIMITS)
@@ -133,7 +207,7 @@ def _parse(text: str):
 
 
 def test_generated_configs_parse_and_follow_the_contract():
-    texts = render(CFG, ServingOptions(idle_timeout_s=30, encoder_instances=2, code_root="/code"))
+    texts = render(CFG, ServingOptions(visit_idle_s=30, encoder_instances=2, code_root="/code"))
     enc = _parse(texts[P.ENCODER])
     assert enc.backend == "python" and enc.max_batch_size > 0
     sb = enc.sequence_batching

@@ -10,6 +10,13 @@ History length policy: a session keeps at most ``max_history`` events. A request
 would make the history longer drops the OLDEST events (of the session and, if needed, of the
 request) and re-encodes the most recent ``max_history``; the number dropped by that request is
 returned in TRUNCATED. A single request may carry at most ``max_request_events`` events.
+
+Timestamps are seconds in ``[0, MAX_TIMESTAMP]``: the model takes differences of timestamps,
+and within that range no difference overflows int64 and float64 holds every value exactly.
+
+The decoder and the ranker are reachable directly on the server's port, not only through the
+ensemble, so each checks its own inputs (``check_decoder_inputs``, ``check_ranker_inputs``)
+before any model work.
 """
 from __future__ import annotations
 
@@ -23,6 +30,7 @@ from backend_src.config import ATTENTION_MODES, DecodeOptions
 from backend_src.serving import protocol as P
 
 _SHOW = 5  # offending values named in a message
+MAX_TIMESTAMP = 2**53 - 1  # largest accepted timestamp (seconds); see the module doc
 
 
 class RequestError(ValueError):
@@ -126,13 +134,7 @@ def check_events(
             f"ACTIONS out of range at positions {_fmt(bad.tolist())} (values {_fmt(actions[bad].tolist())}): "
             f"action ids are 0..{limits.num_actions - 1}, {list(limits.reserved_actions)} reserved"
         )
-    back = np.flatnonzero(np.diff(timestamps) < 0)
-    if back.size:
-        i = int(back[0]) + 1
-        raise RequestError(
-            f"TIMESTAMPS out of order: event {i} at {int(timestamps[i])} is before event {i - 1} at {int(timestamps[i - 1])} "
-            f"({back.size} decrease(s) in this request); events must be oldest first"
-        )
+    check_timestamps(timestamps, "TIMESTAMPS", what="event")
     if not start and session_last_timestamp is not None and int(timestamps[0]) < session_last_timestamp:
         raise RequestError(
             f"TIMESTAMPS out of order: the first new event at {int(timestamps[0])} is before the session's last event at "
@@ -140,10 +142,141 @@ def check_events(
         )
 
 
+def check_timestamps(timestamps: np.ndarray, name: str, what: str = "event") -> None:
+    """Range and time order of a 1-D timestamp array (oldest first). Neighbours are compared,
+    never subtracted: a difference of two int64 timestamps can overflow."""
+    bad = np.flatnonzero((timestamps < 0) | (timestamps > MAX_TIMESTAMP))
+    if bad.size:
+        raise RequestError(
+            f"{name} out of range at positions {_fmt(bad.tolist())} (values {_fmt(timestamps[bad].tolist())}): "
+            f"timestamps are seconds in [0, {MAX_TIMESTAMP}]"
+        )
+    back = np.flatnonzero(timestamps[1:] < timestamps[:-1])
+    if back.size:
+        i = int(back[0]) + 1
+        raise RequestError(
+            f"{name} out of order: {what} {i} at {int(timestamps[i])} is before {what} {i - 1} at {int(timestamps[i - 1])} "
+            f"({back.size} decrease(s) in this request); {what}s must be oldest first"
+        )
+
+
 def unknown_items_error(exc: KeyError) -> RequestError:
     """The model's KeyError naming unknown item ids -> RequestError."""
     msg = exc.args[0] if exc.args else str(exc)
     return RequestError(f"ITEM_IDS: {msg}")
+
+
+# ------------------------------------------------------------------------------------------
+# Tensors between the stages (checked again by each stage: it can be called directly)
+# ------------------------------------------------------------------------------------------
+# Each function takes the request's arrays as read (batch dim 1 first), after read_input has
+# checked every tensor's own rank and fixed dims; it checks that the inputs agree with each
+# other and that their values are ones the model can take.
+def _check_indices(values: np.ndarray, name: str, num_items: int, zero: str) -> None:
+    bad = np.flatnonzero((values < 0) | (values > num_items))
+    if bad.size:
+        raise RequestError(
+            f"{name} holds item indices out of range at positions {_fmt(bad.tolist())} "
+            f"(values {_fmt(values[bad].tolist())}): item indices are 0..{num_items} (0 = {zero})"
+        )
+
+
+def _check_finite(x: np.ndarray, name: str) -> None:
+    bad = ~np.isfinite(x)
+    if bad.any():
+        # the first offending index only: argwhere on a large, all-NaN tensor would be huge
+        first = tuple(int(i) for i in np.unravel_index(int(bad.argmax()), x.shape))
+        raise RequestError(
+            f"{name} holds {int(np.count_nonzero(bad))} non-finite value(s) (NaN or Inf), the first at index "
+            f"{list(first)}: {float(x[first])}"
+        )
+
+
+def check_decoder_inputs(states: np.ndarray, max_history: int) -> None:
+    """pfa_decoder: HISTORY_STATES [1, n, D] with 1 <= n <= max_history, all finite."""
+    n = states.shape[1]
+    if n == 0:
+        raise RequestError("HISTORY_STATES has no rows: empty history, nothing to decode from")
+    if n > max_history:
+        raise RequestError(f"HISTORY_STATES has {n} history rows, more than the model's max history {max_history}")
+    _check_finite(states, "HISTORY_STATES")
+
+
+def check_ranker_inputs(
+    keys: np.ndarray,  # HISTORY_KEYS [1, L, n, H, DH]
+    values: np.ndarray,  # HISTORY_VALUES [1, L, n, H, DH]
+    timestamps: np.ndarray,  # HISTORY_TIMESTAMPS [1, n]
+    history_items: np.ndarray,  # HISTORY_ITEMS [1, n]
+    candidates: np.ndarray,  # CANDIDATE_ITEMS [1, W]
+    log_probs: np.ndarray,  # CANDIDATE_LOG_PROBS [1, W]
+    codes: np.ndarray,  # CANDIDATE_CODES [1, W, C]
+    *,
+    num_items: int,
+    codebook_sizes: Sequence[int],
+    max_history: int,
+    max_candidates: int,
+) -> None:
+    """mfalcon_ranker: one n across the history inputs, one W across the candidate inputs, and
+    values in range (an empty beam is item 0 with log-prob -inf and codes -1)."""
+    # shapes first: the value checks below index the inputs together
+    rows = {
+        "HISTORY_KEYS": keys.shape[2],
+        "HISTORY_VALUES": values.shape[2],
+        "HISTORY_TIMESTAMPS": timestamps.shape[1],
+        "HISTORY_ITEMS": history_items.shape[1],
+    }
+    if len(set(rows.values())) > 1:
+        raise RequestError(
+            "history inputs disagree on the number of rows n: "
+            + ", ".join(f"{k} has {v}" for k, v in rows.items())
+            + " (HISTORY_KEYS / HISTORY_VALUES [1, L, n, H, DH], HISTORY_TIMESTAMPS / HISTORY_ITEMS [1, n])"
+        )
+    n = rows["HISTORY_KEYS"]
+    if n == 0:
+        raise RequestError("HISTORY_KEYS has no rows: empty history, nothing to rank against")
+    if n > max_history:
+        raise RequestError(f"HISTORY_KEYS has {n} history rows, more than the model's max history {max_history}")
+    beams = {
+        "CANDIDATE_ITEMS": candidates.shape[1],
+        "CANDIDATE_LOG_PROBS": log_probs.shape[1],
+        "CANDIDATE_CODES": codes.shape[1],
+    }
+    if len(set(beams.values())) > 1:
+        raise RequestError(
+            "candidate inputs disagree on the number of candidates W: "
+            + ", ".join(f"{k} has {v}" for k, v in beams.items())
+            + " (CANDIDATE_ITEMS / CANDIDATE_LOG_PROBS [1, W], CANDIDATE_CODES [1, W, C])"
+        )
+    W = beams["CANDIDATE_ITEMS"]
+    if W == 0:
+        raise RequestError("CANDIDATE_ITEMS is empty: nothing to rank")
+    if W > max_candidates:
+        raise RequestError(f"CANDIDATE_ITEMS has too many candidates: {W} > {max_candidates}")
+
+    # values: the small inputs first, the history K/V (the bulk of the bytes) last
+    _check_indices(history_items[0], "HISTORY_ITEMS", num_items, "padding")
+    check_timestamps(timestamps[0], "HISTORY_TIMESTAMPS", what="row")
+    cands = candidates[0]
+    _check_indices(cands, "CANDIDATE_ITEMS", num_items, "empty beam")
+    lp = log_probs[0]
+    bad = np.flatnonzero(np.isnan(lp) | (lp == np.inf))
+    if bad.size:
+        raise RequestError(
+            f"CANDIDATE_LOG_PROBS holds NaN or +inf at positions {_fmt(bad.tolist())} "
+            f"(values {_fmt(lp[bad].tolist())}): log-probabilities are <= 0, -inf for an empty beam"
+        )
+    c = codes[0]
+    sizes = np.asarray(codebook_sizes, dtype=np.int64)
+    # each level's code is below that level's codebook size; an empty beam's codes may be -1
+    ok = ((c >= 0) & (c < sizes)) | ((c == -1) & (cands == 0)[:, None])
+    if not ok.all():
+        beam, level = (int(i) for i in np.unravel_index(int((~ok).argmax()), ok.shape))
+        raise RequestError(
+            f"CANDIDATE_CODES out of range at {int(np.count_nonzero(~ok))} place(s), the first at candidate {beam}, "
+            f"level {level}: {int(c[beam, level])}; level sizes are {sizes.tolist()} (-1 only for an empty beam, item 0)"
+        )
+    _check_finite(keys, "HISTORY_KEYS")
+    _check_finite(values, "HISTORY_VALUES")
 
 
 # ------------------------------------------------------------------------------------------
@@ -231,9 +364,18 @@ def read_input(request, spec: P.TensorSpec, sizes: dict, max_elements: int, get_
     return t.as_numpy()
 
 
+# gRPC status name -> TritonError code name; anything else is the client's mistake (INVALID_ARG).
+# "UNAVAILABLE" is spelled out: it does not depend on protocol's constant for it.
+_ERROR_CODES = {
+    P.NOT_FOUND: "NOT_FOUND",
+    P.RESOURCE_EXHAUSTED: "UNAVAILABLE",  # a full server: retrying later may succeed
+    "UNAVAILABLE": "UNAVAILABLE",
+}
+
+
 def error_code(status: str, codes) -> int:
     """gRPC status name -> the backend's TritonError code (`codes` = TritonError)."""
-    return codes.UNAVAILABLE if status == P.RESOURCE_EXHAUSTED else codes.INVALID_ARG
+    return getattr(codes, _ERROR_CODES.get(status, "INVALID_ARG"))
 
 
 def decode_defaults(params: Mapping) -> DecodeOptions:

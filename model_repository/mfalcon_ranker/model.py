@@ -43,13 +43,13 @@ class TritonPythonModel:
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         self.model.to(self.device)
         self.sizes = P.model_sizes(cfg)
-        max_history = min(int(params.get("max_history", cfg.max_seq_len)), cfg.max_seq_len)
+        self.max_history = min(int(params.get("max_history", cfg.max_seq_len)), cfg.max_seq_len)
         self.max_top_k = int(params.get("max_top_k", 256))
         self.max_beams = int(params.get("max_beam_width", 1024))
         self.default_top_k = int(params.get("top_k", 10))
         self.microbatch = int(params.get("ranker_microbatch", 64))
         self.rank_by = params.get("rank_by", "ranker")
-        self.max_elements = max((max_history + 1) * cfg.d_model * cfg.num_layers, self.max_beams * cfg.num_codes)
+        self.max_elements = max((self.max_history + 1) * cfg.d_model * cfg.num_layers, self.max_beams * cfg.num_codes)
         self.raw_ids = np.array([b"" if x is None else str(x).encode() for x in self.model.item_ids], dtype=object)
         from backend_src.serving.ranker_runtime import RankerRuntime
 
@@ -60,24 +60,27 @@ class TritonPythonModel:
     def _read(self, request):
         P, V = self.P, self.V
         read = lambda spec: V.read_input(request, spec, self.sizes, self.max_elements, pb_utils.get_input_tensor_by_name)
-        keys = read(P.HISTORY_KEYS)[0]  # [L, n, H, dh]
-        values = read(P.HISTORY_VALUES)[0]
-        ts = read(P.HISTORY_TIMESTAMPS)[0]  # [n]
-        history_items = read(P.HISTORY_ITEMS)[0]  # [n]
-        cands = read(P.CANDIDATE_ITEMS)[0]  # [W]
-        log_probs = read(P.CANDIDATE_LOG_PROBS)[0]
-        codes = read(P.CANDIDATE_CODES)[0]  # [W, C]
+        keys = read(P.HISTORY_KEYS)  # [1, L, n, H, dh]
+        values = read(P.HISTORY_VALUES)
+        ts = read(P.HISTORY_TIMESTAMPS)  # [1, n]
+        history_items = read(P.HISTORY_ITEMS)  # [1, n]
+        cands = read(P.CANDIDATE_ITEMS)  # [1, W]
+        log_probs = read(P.CANDIDATE_LOG_PROBS)
+        codes = read(P.CANDIDATE_CODES)  # [1, W, C]
         top_k = read(P.TOP_K)
         top_k = self.default_top_k if top_k is None else int(top_k.reshape(-1)[0])
         if not 1 <= top_k <= self.max_top_k:
             raise V.RequestError(f"TOP_K must be in [1, {self.max_top_k}], got {top_k}")
         exclude_seen = V.flag(read(P.EXCLUDE_SEEN), P.EXCLUDE_SEEN.name)
-        if not (keys.shape[1] == values.shape[1] == ts.shape[0] == history_items.shape[0]) or not (
-            cands.shape[0] == log_probs.shape[0] == codes.shape[0]
-        ):
-            raise V.RequestError("mfalcon_ranker: inconsistent history or candidate lengths")
-        if cands.shape[0] > self.max_beams:
-            raise V.RequestError(f"too many candidates: {cands.shape[0]} > {self.max_beams}")
+        # this model is reachable directly, not only through the ensemble: check before ranking
+        V.check_ranker_inputs(
+            keys, values, ts, history_items, cands, log_probs, codes,
+            num_items=self.model.cfg.num_items, codebook_sizes=self.model.cfg.codebook_sizes,
+            max_history=self.max_history, max_candidates=self.max_beams,
+        )
+        keys, values, ts, history_items, cands, log_probs, codes = (
+            x[0] for x in (keys, values, ts, history_items, cands, log_probs, codes)
+        )
         return keys, values, ts, cands, log_probs, codes, top_k, history_items, exclude_seen
 
     def _scores(self, reqs):
@@ -115,6 +118,10 @@ class TritonPythonModel:
                 batch.append((i, self._read(r)))
             except V.RequestError as e:
                 responses[i] = pb_utils.InferenceResponse(error=pb_utils.TritonError(e.message, V.error_code(e.status, pb_utils.TritonError)))
+            except Exception as e:  # noqa: BLE001 - a request that cannot be read fails alone
+                responses[i] = pb_utils.InferenceResponse(
+                    error=pb_utils.TritonError(f"mfalcon_ranker: {type(e).__name__}: {e}", pb_utils.TritonError.INTERNAL)
+                )
         if not batch:
             return responses
         try:

@@ -54,8 +54,8 @@ class TritonPythonModel:
         P, V = self.P, self.V
         read = lambda spec: V.read_input(request, spec, self.sizes, self.max_elements, pb_utils.get_input_tensor_by_name)
         states = read(P.HISTORY_STATES)  # [1, n, D]
-        if states.shape[1] == 0:
-            raise V.RequestError("empty history: nothing to decode from")
+        # this model is reachable directly, not only through the ensemble: check before decoding
+        V.check_decoder_inputs(states, self.limits.max_history)
         options = {spec.name: read(spec) for spec in P.DECODE_OPTION_INPUTS}
         _, opts = V.parse_options(options, self.defaults, 1, self.limits)
         return states[0], opts
@@ -87,6 +87,10 @@ class TritonPythonModel:
                 groups.setdefault(V.option_key(opts), (opts, []))[1].append((i, states))
             except V.RequestError as e:
                 responses[i] = pb_utils.InferenceResponse(error=pb_utils.TritonError(e.message, V.error_code(e.status, pb_utils.TritonError)))
+            except Exception as e:  # noqa: BLE001 - a request that cannot be read fails alone
+                responses[i] = pb_utils.InferenceResponse(
+                    error=pb_utils.TritonError(f"pfa_decoder: {type(e).__name__}: {e}", pb_utils.TritonError.INTERNAL)
+                )
         for opts, members in groups.values():
             try:
                 items, log_probs, codes = self._decode([s for _, s in members], opts)
