@@ -7,9 +7,11 @@
     python -m clients.cli health
 
 A session id made of digits is sent as an integer id, anything else as a string id (at most
-128 characters). Sessions live on the server, so separate invocations continue one session.
+128 characters). Sessions live on the server (its event log), so separate invocations continue
+one session; `close` ends the visit and keeps the session.
 Exit status: 0 ok, 1 refused request (the JSON names the gRPC status and the server's message),
-2 session lost (open it again with its full history), 3 server or models not ready.
+2 the server holds no events for the session (open it with the user's history), 3 server or
+models not ready.
 """
 from __future__ import annotations
 
@@ -65,14 +67,14 @@ def build_parser() -> argparse.ArgumentParser:
         if events:
             _add_events(p, required=events == "required")
         _add_options(p)
-    p = sub.add_parser("close", help="end a session (the server frees its history)")
+    p = sub.add_parser("close", help="end the visit (the server keeps the session for the next one)")
     p.add_argument("--session", required=True, type=_session)
     sub.add_parser("health", help="server and model readiness, versions")
     return ap
 
 
 def run(a) -> tuple[int, dict]:
-    client = RecommenderClient(a.url, model=a.model, timeout_s=a.timeout, keep_history=False)
+    client = RecommenderClient(a.url, model=a.model, timeout_s=a.timeout)
     try:
         if a.command == "health":
             h = client.health()
@@ -86,7 +88,7 @@ def run(a) -> tuple[int, dict]:
                 rec = client.recommend(a.session, **_options(a))
             else:
                 closed = client.close_session(a.session)
-                return 0, {"session": a.session, "closed": closed, **({} if closed else {"note": "the server no longer had this session"})}
+                return 0, {"session": a.session, "closed": closed, **({} if closed else {"note": "the server holds no events for this session"})}
         except SessionLost as e:
             return 2, {"session": a.session, "error": "session_lost", "status": e.status, "message": e.message}
         except RecommenderError as e:

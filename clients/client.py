@@ -1,32 +1,29 @@
 """gRPC client of the served recommender (the ``recommend`` ensemble).
 
-One user session = one Triton sequence (sequence id = session id). The first request of a
-session (``open_session``) carries the user's history and starts the sequence; ``append`` sends
-only the events since; ``recommend`` asks again without new events; ``close_session`` ends the
-sequence, which frees the session's cached history on the server. Every request answers with
-the session's current top-K recommendations.
+A user session is keyed by its session id. The server keeps every accepted event of a session
+in a durable event log and the session's encoded history in a cache, so a session lives on
+between visits, across model versions and restarts; nothing needs to be re-sent.
+
+A *visit* is one Triton sequence: the first request the client sends for a session starts it,
+``close_session`` ends it (the server keeps the session), and the server ends a visit that idles
+for a few seconds. Every request carries the number of events this client sent before it
+(EVENTS_BEFORE), so the server applies each event once: a request that timed out, or failed
+while a model was being swapped or a stage restarted, is retried safely (``retries``).
 
     client = RecommenderClient("localhost:8001")
     rec = client.open_session("u1", ["B0001", "B0002"], timestamps=[1700000000, 1700000060])
     rec = client.append("u1", ["B0003"], [5], [1700000120], top_k=5)
-    client.close_session("u1")
+    client.close_session("u1")        # ends the visit; the history stays on the server
 
 Tensor names, dtypes and shapes come from ``backend_src.serving.protocol`` (the contract);
 this module needs only numpy and tritonclient (no torch), so it also runs in a load-testing
 environment.
-
-Session loss: the server keeps a session's history in the history encoder's memory. A session
-ends at ``close_session``, after the server's idle timeout, when session memory needs room, or
-when a new version of the history encoder is loaded (sessions do not survive a hot swap). A
-request for such a session raises ``SessionLost``. The client keeps each open session's events
-(``keep_history=True``), so ``ensure_session`` can start it again with the full history, and
-``auto_restart=True`` does that by itself and then retries the request once.
 """
 from __future__ import annotations
 
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Sequence
 
 import numpy as np
@@ -53,16 +50,18 @@ OPTION_TENSORS = {
 # (one beam, one row attended, top 1). The ensemble still runs the decoder and ranker once.
 CLOSE_OPTIONS = {"top_k": 1, "beam_width": 1, "mode": "pfa", "pfa_k": 1, "pfa_r": 1.0, "selection_step": 0}
 
-# Phrases of the server's answers that mean "this session is gone: start it again".
-# The sequence batcher refuses a non-START request of a sequence it does not know (never started,
-# ended, timed out, or the model was reloaded); the history encoder names why it has no session.
-_LOST_MARKERS = (
-    "must specify the START flag",
-    "start it again with sequence_start",
-    "was never started",
-)
+# The sequence batcher's answer to a request of a visit it does not know (never started here,
+# idled out, or the encoder was reloaded): the client starts a new visit and sends it again.
+_NO_VISIT = "must specify the START flag"
+# Answers after which the same request, sent again, can succeed: the server was busy, a stage
+# was restarting or being swapped, or the request timed out. Safe to resend: EVENTS_BEFORE
+# makes the server apply each event once.
+_RETRYABLE = {"UNAVAILABLE", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED", "CANCELLED"}
+_STAGE_RESTARTING = ("not healthy", "Stub process", "is not ready", "unavailable", "failed to connect", "Socket closed")
 
-_OUTPUTS = (P.RECOMMENDED_IDS, P.RANK_SCORES, P.RETRIEVAL_LOG_PROBS, P.SEMANTIC_IDS, P.HISTORY_LENGTH, P.TRUNCATED)
+_OUTPUTS = (P.RECOMMENDED_IDS, P.RANK_SCORES, P.RETRIEVAL_LOG_PROBS, P.SEMANTIC_IDS, P.HISTORY_LENGTH, P.TRUNCATED,
+            P.EVENT_COUNT, P.RESTORED)
+_CLOSE_OUTPUTS = (P.EVENT_COUNT,)
 
 
 class RecommenderError(RuntimeError):
@@ -80,19 +79,21 @@ class RecommenderError(RuntimeError):
 
 
 class SessionLost(RecommenderError):
-    """The server no longer has this session (ended, idle timeout, evicted, or a new model
-    version was loaded): open it again with the full history (``ensure_session`` does)."""
+    """The server holds no events for this session (never opened, or its log was deleted or
+    expired): open it with the user's history."""
 
 
 @dataclass
 class Recommendation:
     item_ids: list  # raw item ids of the data set, best first (empty slots left out)
-    rank_scores: np.ndarray  # [K] M-FALCON ranking logits
+    rank_scores: np.ndarray  # [K] ranking scores of the served order
     retrieval_log_probs: np.ndarray  # [K] beam log-probability of each item
     semantic_ids: np.ndarray  # [K, C] int32 semantic ID of each item
-    history_length: int  # events in the session's history after this request
+    history_length: int  # events in the session's encoded history after this request (<= max history)
     truncated: int  # oldest events dropped by this request (history longer than the server keeps)
-    latency_ms: float  # client-side round trip of the request
+    latency_ms: float  # client-side round trip of the request, retries included
+    event_count: int = 0  # events the server holds for the session (all ever accepted)
+    restored: bool = False  # the session was rebuilt from the server's event log on this request
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -102,19 +103,9 @@ class Recommendation:
 
 
 @dataclass
-class _History:
-    """Events of one session kept on the client, for restarting a lost session."""
-
-    items: list = field(default_factory=list)
-    actions: list = field(default_factory=list)
-    timestamps: list = field(default_factory=list)
-
-    def extend(self, items, actions, timestamps, limit: int) -> None:
-        self.items += list(items)
-        self.actions += [int(a) for a in actions]
-        self.timestamps += [int(t) for t in timestamps]
-        if len(self.items) > limit:  # the server keeps fewer anyway: keep the most recent
-            del self.items[:-limit], self.actions[:-limit], self.timestamps[:-limit]
+class _SessionState:
+    count: int | None = None  # events the server holds, as last answered (None: not known yet)
+    visit: bool = False  # a visit (Triton sequence) is open from this client
 
 
 def wire_session_id(session_id):
@@ -197,101 +188,90 @@ def parse_response(result, latency_ms: float) -> Recommendation:
         history_length=int(result.as_numpy(P.HISTORY_LENGTH.name).reshape(-1)[0]),
         truncated=int(result.as_numpy(P.TRUNCATED.name).reshape(-1)[0]),
         latency_ms=latency_ms,
+        event_count=int(result.as_numpy(P.EVENT_COUNT.name).reshape(-1)[0]),
+        restored=bool(result.as_numpy(P.RESTORED.name).reshape(-1)[0]),
     )
 
 
 class RecommenderClient:
     """Sessions of the ``recommend`` ensemble over gRPC. One client may be shared by threads;
-    a session's requests must not overlap (the server applies them in arrival order)."""
+    a session's requests must not overlap (the server applies them in arrival order).
+
+    timeout_s bounds each attempt; a request is attempted at most 1 + retries times (backoff
+    between attempts), so every call ends within about (1 + retries) * timeout_s."""
 
     def __init__(
         self,
         url: str = "localhost:8001",
         model: str = P.ENSEMBLE,
-        timeout_s: float = 60.0,
-        keep_history: bool = True,
-        auto_restart: bool = False,
-        history_limit: int = 100_000,
+        timeout_s: float = 30.0,
+        retries: int = 4,
+        backoff_s: float = 0.1,
+        headers: dict | None = None,
         verbose: bool = False,
     ):
         self.url, self.model, self.timeout_s = url, model, timeout_s
-        self.keep_history = keep_history or auto_restart
-        self.auto_restart = auto_restart
-        self.history_limit = history_limit
+        self.retries, self.backoff_s = int(retries), float(backoff_s)
+        self.headers = dict(headers or {})  # e.g. the balancer's session-affinity header
         self._client = grpcclient.InferenceServerClient(url, verbose=verbose)
-        self._histories: dict = {}
+        self._sessions: dict = {}
         self._lock = threading.Lock()
-        self.restarts = 0  # sessions started again after SessionLost
+        self.retried = 0  # attempts sent again after a retryable failure
+        self.visits_restarted = 0  # requests sent again with START because the server no longer had the visit
 
     # ---- sessions ---------------------------------------------------------------------------
-    def open_session(self, session_id, item_ids: Sequence, actions=None, timestamps=None, **options) -> Recommendation:
-        """Start a session with the user's history (at least one event; oldest first)."""
-        inputs, actions, timestamps = event_inputs(item_ids, actions, timestamps)
-        rec = self._infer(session_id, inputs + option_inputs(options), start=True)
-        if self.keep_history:
-            h = _History()
-            h.extend(item_ids, actions, timestamps, self.history_limit)
-            with self._lock:
-                self._histories[session_id] = h
-        return rec
+    def open_session(self, session_id, item_ids: Sequence, actions=None, timestamps=None, end_visit: bool = False,
+                     **options) -> Recommendation:
+        """The user's history as this client service knows it (oldest first). The server applies
+        only the events it does not hold yet, so opening a known session again is safe.
+        end_visit: this request also ends the visit (a visit of one request)."""
+        inputs, _, _ = event_inputs(item_ids, actions, timestamps)
+        return self._send(session_id, inputs, len(item_ids), options, events_before=0, end=end_visit)
 
-    def append(self, session_id, item_ids: Sequence, actions=None, timestamps=None, **options) -> Recommendation:
-        """Add the events since the last request (may be none) and get fresh recommendations."""
-        inputs, actions, timestamps = event_inputs(item_ids, actions, timestamps)
-        try:
-            rec = self._infer(session_id, inputs + option_inputs(options))
-        except SessionLost:
-            if not (self.auto_restart and self.has_history(session_id)):
-                raise
-            # start again with the kept history plus these events, in one request
-            h = self._histories[session_id]
-            self.restarts += 1
-            return self.open_session(session_id, h.items + list(item_ids), h.actions + actions, h.timestamps + timestamps, **options)
-        if self.keep_history and item_ids:
-            with self._lock:
-                self._histories.setdefault(session_id, _History()).extend(item_ids, actions, timestamps, self.history_limit)
-        return rec
+    def append(self, session_id, item_ids: Sequence, actions=None, timestamps=None, end_visit: bool = False,
+               **options) -> Recommendation:
+        """Add the events since the last request (may be none) and get fresh recommendations.
+        Applied exactly once, retries included."""
+        inputs, _, _ = event_inputs(item_ids, actions, timestamps)
+        state = self._state(session_id)
+        if state.count is None and len(item_ids):
+            self.resume(session_id, **options)  # learn how many events the server holds
+        return self._send(session_id, inputs, len(item_ids), options, events_before=state.count, end=end_visit)
 
-    def recommend(self, session_id, **options) -> Recommendation:
-        """Recommendations for the session's current history (an append with no events)."""
-        return self.append(session_id, [], [], [], **options)
+    def recommend(self, session_id, end_visit: bool = False, **options) -> Recommendation:
+        """Recommendations for the session's current history (no new events)."""
+        return self._send(session_id, event_inputs([], [], [])[0], 0, options, events_before=self._state(session_id).count,
+                          end=end_visit)
+
+    def resume(self, session_id, end_visit: bool = False, **options) -> Recommendation:
+        """Recommendations for a session this client has not talked to yet (e.g. after the client
+        service restarted); afterwards ``append`` knows how many events the server holds."""
+        return self._send(session_id, event_inputs([], [], [])[0], 0, options, events_before=None, end=end_visit)
 
     def close_session(self, session_id) -> bool:
-        """End the session (the server frees its history). False if the server no longer had it."""
-        with self._lock:
-            self._histories.pop(session_id, None)
-        inputs, _, _ = event_inputs([], [], [])
+        """End the visit: the server frees its sequence slot and keeps the session (its cache and
+        log) for the next visit. False if the server holds no events for this session."""
+        state = self._state(session_id)
+        inputs = event_inputs([], [], [])[0]
         try:
-            self._infer(session_id, inputs + option_inputs(CLOSE_OPTIONS), end=True, outputs=(P.HISTORY_LENGTH,))
+            self._send(session_id, inputs, 0, CLOSE_OPTIONS, events_before=state.count, end=True, outputs=_CLOSE_OUTPUTS)
         except SessionLost:
             return False
+        finally:
+            state.visit = False
         return True
 
     def recommend_history(self, session_id, item_ids: Sequence, actions=None, timestamps=None, **options) -> Recommendation:
-        """One-shot: a whole history in one request that starts and ends its session."""
+        """One-shot: a whole history in one request that starts and ends its visit; the session's
+        history on the server becomes exactly these events (not idempotent: use open_session
+        for a session that lives on)."""
         inputs, _, _ = event_inputs(item_ids, actions, timestamps)
-        return self._infer(session_id, inputs + option_inputs(options), start=True, end=True)
+        return self._send(session_id, inputs, len(item_ids), options, events_before=None, start=True, end=True)
 
-    def ensure_session(self, session_id, **options) -> Recommendation:
-        """Recommendations for the session; if the server lost it, start it again with the
-        history this client kept (needs keep_history)."""
-        try:
-            return self._infer(session_id, event_inputs([], [], [])[0] + option_inputs(options))
-        except SessionLost:
-            h = self._histories.get(session_id)
-            if h is None or not h.items:
-                raise
-            self.restarts += 1
-            return self.open_session(session_id, list(h.items), list(h.actions), list(h.timestamps), **options)
-
-    def has_history(self, session_id) -> bool:
-        h = self._histories.get(session_id)
-        return h is not None and bool(h.items)
-
-    def history(self, session_id) -> tuple:
-        """(item_ids, actions, timestamps) this client kept for the session."""
-        h = self._histories.get(session_id, _History())
-        return list(h.items), list(h.actions), list(h.timestamps)
+    def event_count(self, session_id) -> int | None:
+        """Events the server holds for the session, as last answered to this client."""
+        s = self._sessions.get(session_id)
+        return None if s is None else s.count
 
     # ---- server -------------------------------------------------------------------------------
     def health(self) -> dict:
@@ -328,21 +308,51 @@ class RecommenderClient:
         self.close()
 
     # ---- one request --------------------------------------------------------------------------
-    def _infer(self, session_id, inputs, start: bool = False, end: bool = False, outputs=_OUTPUTS) -> Recommendation | None:
+    def _state(self, session_id) -> _SessionState:
+        with self._lock:
+            return self._sessions.setdefault(session_id, _SessionState())
+
+    def _send(self, session_id, inputs, n_events: int, options: dict, events_before, start: bool = False,
+              end: bool = False, outputs=_OUTPUTS) -> Recommendation | None:
+        """One request, sent again on retryable failures. With events_before set (or no events)
+        every attempt is idempotent; without it only failures that the server did not act on
+        are retried."""
         sid = wire_session_id(session_id)
+        state = self._state(session_id)
+        inputs = inputs + option_inputs(options)
+        if events_before is not None:
+            inputs.append(_input(P.EVENTS_BEFORE, np.array([[events_before]], np.int64)))
+        idempotent = events_before is not None or n_events == 0
+        start = start or not state.visit
         requested = [grpcclient.InferRequestedOutput(o.name) for o in outputs]
         t0 = time.perf_counter()
-        try:
-            result = self._client.infer(
-                self.model, inputs, outputs=requested, sequence_id=sid, sequence_start=start, sequence_end=end,
-                client_timeout=self.timeout_s,
-            )
-        except InferenceServerException as e:
-            status, message = _status_name(e), e.message() or str(e)
-            if not start and any(m in message for m in _LOST_MARKERS):
-                raise SessionLost(status, message, session_id) from None
-            raise RecommenderError(status, message, session_id) from None
+        for attempt in range(self.retries + 1):
+            try:
+                result = self._client.infer(
+                    self.model, inputs, outputs=requested, sequence_id=sid, sequence_start=start, sequence_end=end,
+                    client_timeout=self.timeout_s, headers=self.headers or None,
+                )
+                break
+            except InferenceServerException as e:
+                status, message = _status_name(e), e.message() or str(e)
+                if _NO_VISIT in message and not start:  # the server no longer has this visit
+                    self.visits_restarted += 1
+                    start = True
+                    continue
+                retryable = status in _RETRYABLE or any(m in message for m in _STAGE_RESTARTING)
+                if not (retryable and idempotent) or attempt == self.retries:
+                    state.visit = False
+                    if status == "NOT_FOUND":
+                        raise SessionLost(status, message, session_id) from None
+                    raise RecommenderError(status, message, session_id) from None
+                self.retried += 1
+                start = True  # the visit may have ended with the failure
+                time.sleep(min(self.backoff_s * (2**attempt), 2.0))
+        else:  # every attempt was a visit restart
+            raise RecommenderError("UNAVAILABLE", "the server kept refusing to start a visit", session_id)
         latency_ms = (time.perf_counter() - t0) * 1e3
-        if len(outputs) < len(_OUTPUTS):
+        state.visit = not end
+        state.count = int(result.as_numpy(P.EVENT_COUNT.name).reshape(-1)[0])
+        if outputs is not _OUTPUTS:
             return None
         return parse_response(result, latency_ms)

@@ -108,7 +108,7 @@ def replay(
             return True
 
     def worker():
-        client = RecommenderClient(url, timeout_s=timeout_s, keep_history=False)
+        client = RecommenderClient(url, timeout_s=timeout_s)
         try:
             while True:
                 try:

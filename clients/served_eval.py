@@ -96,7 +96,7 @@ def served_topk(url: str, model, batch, options: DecodeOptions, top_k: int, conc
         ranked[b, : len(idx)] = torch.from_numpy(idx)
         latencies[b] = rec.latency_ms
 
-    clients = [RecommenderClient(url, keep_history=False) for _ in range(max(1, concurrency))]
+    clients = [RecommenderClient(url) for _ in range(max(1, concurrency))]
     try:
         with ThreadPoolExecutor(len(clients)) as pool:
             list(pool.map(lambda b: one(b, clients[b % len(clients)]), range(B)))

@@ -27,11 +27,17 @@ class ServingOptions:
     encoder_instances: int = 1
     decoder_instances: int = 1
     ranker_instances: int = 1
-    # sessions
+    # sessions: a visit (one Triton sequence) holds a slot only while it lasts; the cache of
+    # encoded sessions outlives it (bounded, LRU); the event log holds every accepted event
     max_history: int | None = None  # None = the model's max_seq_len
-    session_max_bytes: int = DEFAULT_MAX_BYTES  # per encoder instance
-    idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S
-    max_candidate_sequences: int = 1024
+    session_max_bytes: int = DEFAULT_MAX_BYTES  # the session cache's bound, per encoder instance
+    cache_idle_s: float = DEFAULT_IDLE_TIMEOUT_S  # a cached session not used for this long is dropped
+    visit_idle_s: float = 10.0  # a sequence with no request for this long ends (its slot frees)
+    max_candidate_sequences: int = 4096  # visits open at once per encoder instance
+    event_log: str = ""  # sqlite path or redis:// URL; "" = a SQLite file beside the repository
+    log_retain_events: int = 4096  # most recent events kept per user (at least max history)
+    log_ttl_s: float = 0.0  # a user's log is deleted this long after its last event; 0 = kept
+    log_durability: str = "full"  # sqlite: "full" survives power loss, "normal" a process crash
     encoder_max_batch_size: int = 8  # requests of different sessions handled in one call
     # batching of the stateless stages
     decoder_max_batch_size: int = 16
@@ -115,7 +121,7 @@ def _common_params(cfg: ModelConfig, opt: ServingOptions) -> dict:
 # --------------------------------------------------------------------------------------------
 def encoder_config(cfg: ModelConfig, opt: ServingOptions) -> str:
     sizes = P.model_sizes(cfg)
-    idle_us = int(opt.idle_timeout_s * 1e6)
+    idle_us = int(opt.visit_idle_s * 1e6)
     controls = ",\n".join(
         f'    {{\n      name: "{name}"\n      control [ {{ kind: {kind} int32_false_true: [ 0, 1 ] }} ]\n    }}'
         for name, kind in (
@@ -134,7 +140,14 @@ def encoder_config(cfg: ModelConfig, opt: ServingOptions) -> str:
         f"  control_input [\n{controls}\n  ]\n"
         "}\n"
     )
-    params = _common_params(cfg, opt) | {"session_max_bytes": opt.session_max_bytes, "idle_timeout_s": opt.idle_timeout_s}
+    params = _common_params(cfg, opt) | {
+        "session_max_bytes": opt.session_max_bytes,
+        "cache_idle_s": opt.cache_idle_s,
+        "event_log": opt.event_log,
+        "log_retain_events": opt.log_retain_events,
+        "log_ttl_s": opt.log_ttl_s,
+        "log_durability": opt.log_durability,
+    }
     return (
         _header(P.ENCODER, opt.encoder_max_batch_size, opt.encoder_instances)
         + _io(P.ENCODER_CONTRACT, sizes)
@@ -226,7 +239,13 @@ def add_serving_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--ranker-instances", type=int, default=d.ranker_instances)
     ap.add_argument("--max-history", type=int, default=None)
     ap.add_argument("--session-max-bytes", type=int, default=d.session_max_bytes)
-    ap.add_argument("--idle-timeout-s", type=float, default=d.idle_timeout_s)
+    ap.add_argument("--cache-idle-s", type=float, default=d.cache_idle_s)
+    ap.add_argument("--visit-idle-s", type=float, default=d.visit_idle_s)
+    ap.add_argument("--max-candidate-sequences", type=int, default=d.max_candidate_sequences)
+    ap.add_argument("--event-log", default=d.event_log, help="sqlite path or redis://host:port/db ('' = SQLite beside the repository)")
+    ap.add_argument("--log-retain-events", type=int, default=d.log_retain_events)
+    ap.add_argument("--log-ttl-s", type=float, default=d.log_ttl_s)
+    ap.add_argument("--log-durability", default=d.log_durability, choices=["full", "normal"])
     ap.add_argument("--decoder-max-batch-size", type=int, default=d.decoder_max_batch_size)
     ap.add_argument("--ranker-max-batch-size", type=int, default=d.ranker_max_batch_size)
     ap.add_argument("--max-queue-delay-us", type=int, default=d.max_queue_delay_us)
@@ -248,7 +267,13 @@ def serving_options_from_args(a: argparse.Namespace) -> ServingOptions:
         ranker_instances=a.ranker_instances,
         max_history=a.max_history,
         session_max_bytes=a.session_max_bytes,
-        idle_timeout_s=a.idle_timeout_s,
+        cache_idle_s=a.cache_idle_s,
+        visit_idle_s=a.visit_idle_s,
+        max_candidate_sequences=a.max_candidate_sequences,
+        event_log=a.event_log,
+        log_retain_events=a.log_retain_events,
+        log_ttl_s=a.log_ttl_s,
+        log_durability=a.log_durability,
         decoder_max_batch_size=a.decoder_max_batch_size,
         ranker_max_batch_size=a.ranker_max_batch_size,
         max_queue_delay_us=a.max_queue_delay_us,

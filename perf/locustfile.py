@@ -48,7 +48,7 @@ class SessionUser(User):
     wait_time = between(0.0, 0.05)
 
     def on_start(self):
-        self.client = RecommenderClient(self.host, keep_history=False)
+        self.client = RecommenderClient(self.host)
         self.rng = random.Random()
 
     def on_stop(self):

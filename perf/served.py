@@ -251,15 +251,15 @@ def served_latency(url: str, events: tuple, options: dict, reps: int) -> dict:
     items, actions, ts = events
     tag = uuid.uuid4().hex[:8]
     out = {"open": [], "append": [], "cached": []}
-    with RecommenderClient(url, keep_history=False) as c:
+    with RecommenderClient(url) as c:
         for r in range(reps + 1):
             sid = f"perf-{tag}-{r}"
             opened = c.open_session(sid, items, actions, ts, **options)
             cached = c.recommend(sid, **options)
             c.close_session(sid)
-            c.open_session(sid, items[:-1], actions[:-1], ts[:-1], **options)
-            appended = c.append(sid, items[-1:], actions[-1:], ts[-1:], **options)
-            c.close_session(sid)
+            c.open_session(f"{sid}-a", items[:-1], actions[:-1], ts[:-1], **options)
+            appended = c.append(f"{sid}-a", items[-1:], actions[-1:], ts[-1:], **options)
+            c.close_session(f"{sid}-a")
             if r:
                 out["open"].append(opened.latency_ms)
                 out["cached"].append(cached.latency_ms)
@@ -380,7 +380,7 @@ def main(argv=None) -> int:
     long_options = dict(options, beam_width=100)
     decode = lambda o: DecodeOptions(mode=o["mode"], beam_width=o["beam_width"], k=o["pfa_k"], r=o["pfa_r"], selection_step=o["selection_step"])  # noqa: E731
     serving = ServingOptions(decode=decode(options), top_k=a.top_k, ranker_backend=a.ranker_backend, torch_threads=a.torch_threads,
-                             idle_timeout_s=120)
+                             visit_idle_s=120)
     result: dict = {"checkpoint": str(a.checkpoint), "data": data.name, "model": {"max_seq_len": max_len, "d_model": model.cfg.d_model,
                     "layers": model.cfg.num_layers, "items": model.cfg.num_items}, "options": options,
                     "serving": {"ranker_backend": a.ranker_backend, "torch_threads": a.torch_threads, "instances_per_model": 1}}

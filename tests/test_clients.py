@@ -1,5 +1,5 @@
 """The client side against a real Triton Inference Server: the client library (sessions,
-errors, session loss and restart), the command line, the replay service, quality through the
+visits, errors), the command line, the replay service, quality through the
 served path (served == offline) and a perf_analyzer smoke run.
 
 The served model is a TINY, UNTRAINED GenerativeRecommender over a small synthetic data set's
@@ -42,7 +42,7 @@ def served(tmp_path_factory):
     data = load_dataset(DATA_SPEC)
     ckpt = tmp / "tiny.pt"
     build_tiny_checkpoint(ckpt, data.item_ids, MAX_HISTORY, seed=1)
-    options = ServingOptions(decode=DECODE, top_k=TOP_K, idle_timeout_s=60, max_queue_delay_us=500, ranker_backend="torch")
+    options = ServingOptions(decode=DECODE, top_k=TOP_K, visit_idle_s=60, max_queue_delay_us=500, ranker_backend="torch")
     with local_server(ckpt, options, workdir=tmp, export_ranker=False) as server:
         yield {"url": server.grpc_url, "data": data, "ckpt": ckpt, "model": GenerativeRecommender.load(ckpt), "tmp": tmp}
 
@@ -64,9 +64,12 @@ def test_session_round_trip(served):
         assert rec.history_length == 6
         again = c.recommend("u-0", **OPTIONS)  # no new events: same history, same answer
         assert again.history_length == 6 and again.item_ids == rec.item_ids
-        assert c.history("u-0")[0] == items[:6]
+        assert again.event_count == 6 and c.event_count("u-0") == 6
+        assert c.close_session("u-0") is True  # ends the visit; the session stays
+        rec = c.append("u-0", items[6:7], actions[6:7], ts[6:7], **OPTIONS)  # a new visit continues it
+        assert rec.history_length == 7 and rec.event_count == 7 and not rec.restored
         assert c.close_session("u-0") is True
-        assert c.close_session("u-0") is False  # already gone: nothing to free
+        assert c.close_session("never-seen-0") is False  # the server holds nothing for it
 
         # an integer session id, and one >= 2**63 (sent as a negative int64)
         big = (1 << 64) - 5
@@ -85,26 +88,22 @@ def test_errors_and_session_loss(served):
 
         with pytest.raises(SessionLost) as e:  # never opened
             c.recommend("never-opened")
-        assert e.value.status == "INVALID_ARGUMENT" and "START" in e.value.message and "never-opened" in str(e.value)
+        assert e.value.status == "NOT_FOUND" and "no events" in e.value.message and "never-opened" in str(e.value)
 
         with pytest.raises(ValueError, match="at most 128"):
             c.recommend("x" * 129)
         with pytest.raises(ValueError, match="non-zero"):
             c.recommend(0)
 
-    # the server loses a session (here: ended by another client, as after a model reload):
-    # ensure_session / auto_restart start it again with the history kept client-side
-    other = RecommenderClient(served["url"], keep_history=False)
-    with RecommenderClient(served["url"], auto_restart=True) as c:
-        c.open_session("lost-1", items[:5], actions[:5], ts[:5], **OPTIONS)
-        other.close_session("lost-1")
-        rec = c.append("lost-1", items[5:6], actions[5:6], ts[5:6], **OPTIONS)
-        assert c.restarts == 1 and rec.history_length == 6
-        other.close_session("lost-1")
-        rec = c.ensure_session("lost-1", **OPTIONS)
-        assert c.restarts == 2 and rec.history_length == 6
-        c.close_session("lost-1")
-    other.close()
+    # another client (e.g. after the client service restarted) continues the session: it learns
+    # the server's count first, and re-opening with the whole history applies only what is new
+    with RecommenderClient(served["url"]) as c:
+        c.open_session("moved-1", items[:5], actions[:5], ts[:5], **OPTIONS)
+    with RecommenderClient(served["url"]) as other:
+        rec = other.append("moved-1", items[5:6], actions[5:6], ts[5:6], **OPTIONS)
+        assert rec.event_count == 6 and rec.history_length == 6
+        rec = other.open_session("moved-1", items[:7], actions[:7], ts[:7], **OPTIONS)
+        assert rec.event_count == 7 and rec.history_length == 7
 
 
 def test_cli_health_and_session(served):
@@ -121,7 +120,8 @@ def test_cli_health_and_session(served):
     items, _, _ = user_history(served["data"], 2)
     assert main(["--url", served["url"], "open", "--session", "cli-1", "--items", *items[:3], "--timestamps", "1", "2", "3", "--top-k", "3"]) == 0
     assert main(["--url", served["url"], "close", "--session", "cli-1"]) == 0
-    assert main(["--url", served["url"], "recommend", "--session", "cli-1"]) == 2  # session lost
+    assert main(["--url", served["url"], "append", "--session", "cli-1", "--items", items[3], "--timestamps", "4"]) == 0
+    assert main(["--url", served["url"], "recommend", "--session", "cli-never-opened"]) == 2  # no events held
 
 
 def test_replay_service(served):

@@ -32,7 +32,7 @@ def real(tmp_path_factory, data_dir):
     tmp = tmp_path_factory.mktemp("real")
     ckpt = tmp / "ml100k.pt"
     model.save(ckpt)
-    options = ServingOptions(decode=DECODE, top_k=10, idle_timeout_s=60, max_queue_delay_us=500)
+    options = ServingOptions(decode=DECODE, top_k=10, visit_idle_s=60, max_queue_delay_us=500)
     with local_server(ckpt, options, workdir=tmp) as server:  # exports ranker.onnx
         yield {"url": server.grpc_url, "data": data, "model": model, "repo": tmp}
 

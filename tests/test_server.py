@@ -42,7 +42,7 @@ def served(tmp_path_factory):
     build_tiny_checkpoint(ckpt1, item_ids, MAX_HISTORY, seed=1)
     build_tiny_checkpoint(ckpt2, item_ids, MAX_HISTORY, seed=2)
     repo = tmp / "model_repository"
-    options = ServingOptions(decode=DECODE, top_k=TOP_K, idle_timeout_s=60, max_queue_delay_us=500)
+    options = ServingOptions(decode=DECODE, top_k=TOP_K, visit_idle_s=60, max_queue_delay_us=500)
     pub.publish(ckpt1, repo, options)
     server = TritonServer(repo, free_port(), free_port(), free_port(), log_file=tmp / "tritonserver.log", exit_timeout_s=5)
     server.start(timeout_s=120)
@@ -155,7 +155,7 @@ def test_bad_requests_fail_alone(served):
         (dict(sid=301, items=[item_id(1), "no-such-item", "also-missing"], start=True), "unknown item ids: 'no-such-item', 'also-missing'"),
         (dict(sid=302, items=good, timestamps=[50, 10], start=True), "TIMESTAMPS out of order"),
         (dict(sid=203, items=[item_id(9)], timestamps=[5]), "before the session's last event"),
-        (dict(sid=303, items=[], start=True), "empty history on sequence start"),
+        (dict(sid=303, items=[], start=True), "has no events on this server"),
         (dict(sid=304, items=good, start=True, TOP_K=0), "TOP_K must be in"),
         (dict(sid=305, items=good, start=True, DECODE_MODE="beam"), "DECODE_MODE must be one of"),
         (dict(sid=306, items=good, start=True, PFA_R=2.0), "PFA_R must be in (0, 1]"),
@@ -167,7 +167,8 @@ def test_bad_requests_fail_alone(served):
     for kwargs, message in cases:
         with pytest.raises(InferenceServerException) as e:
             request(client, **kwargs)
-        assert e.value.status() == "StatusCode.INVALID_ARGUMENT", (kwargs, e.value)
+        expected = "StatusCode.NOT_FOUND" if kwargs["sid"] == 303 else "StatusCode.INVALID_ARGUMENT"
+        assert e.value.status() == expected, (kwargs, e.value)
         assert message in e.value.message(), (message, e.value.message())
         # another session carries on after every bad request
         r = request(client, 202, [], end=False)

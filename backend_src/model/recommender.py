@@ -85,8 +85,28 @@ class GenerativeRecommender(nn.Module):
         model.metadata = blob.get("metadata", {})
         return model.eval()
 
+    @classmethod
+    def untrained(cls, item_ids: Sequence, max_history: int, seed: int, d_model: int = 16, num_layers: int = 2,
+                  num_heads: int = 2, levels: int = 3, codes_per_level: int = 4) -> "GenerativeRecommender":
+        """Random weights and random unique semantic IDs over `item_ids` (index 0 = None): for
+        tests and benchmarks of the serving path, which check plumbing and speed, not quality."""
+        from backend_src.model.semantic_ids import assign_collision_codes
+
+        g = torch.Generator().manual_seed(0)
+        codes = torch.randint(0, codes_per_level, (len(item_ids) - 1, levels), generator=g)
+        codebook = SemanticIdCodebook(assign_collision_codes(codes))
+        cfg = ModelConfig(
+            num_items=len(item_ids) - 1, d_model=d_model, num_layers=num_layers, num_heads=num_heads,
+            max_seq_len=max_history, codebook_sizes=tuple(int(s) for s in codebook.codebook_sizes),
+            decoder_heads=num_heads, dropout=0.0,
+        )
+        torch.manual_seed(seed)
+        return cls(cfg, codebook, list(item_ids)).eval()
+
     # ---------------------------------------------------------------- vocabulary
-    def item_indices(self, raw_ids: Sequence) -> np.ndarray:
+    def item_indices(self, raw_ids: Sequence, strict: bool = True) -> np.ndarray:
+        """Raw ids -> item indices. Unknown ids raise KeyError naming them, or map to 0 (the
+        padding index) when not `strict` (a history logged under another catalog version)."""
         out = np.empty(len(raw_ids), dtype=np.int64)
         unknown = []
         for j, raw in enumerate(raw_ids):  # a dict lookup per event: request-sized, not a hot loop
@@ -95,7 +115,7 @@ class GenerativeRecommender(nn.Module):
                 unknown.append(raw)
                 idx = 0
             out[j] = idx
-        if unknown:
+        if unknown and strict:
             shown = ", ".join(repr(u) for u in unknown[:5])
             more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
             raise KeyError(f"unknown item ids: {shown}{more}")

@@ -15,8 +15,9 @@ dim, ``D`` model dim, ``C`` semantic-ID codes per item; ``-1`` is variable (hist
 Flow (one request of a user session, sequence id = session id):
 
     client -> recommend (ensemble)
-      history_encoder  events -> per-session HistoryCache (sequence batching, kept in the
-                       instance), outputs the session's whole cached history
+      history_encoder  events -> the durable event log and the session's HistoryCache (kept
+                       in the instance, keyed by session id, rebuilt from the log on a miss),
+                       outputs the session's whole cached history
       pfa_decoder      HISTORY_STATES -> CANDIDATE_* (constrained semantic-ID beam search)
       mfalcon_ranker   HISTORY_KEYS/VALUES/TIMESTAMPS/ITEMS + CANDIDATE_* -> top-K (with
                        EXCLUDE_SEEN, the candidates already in the history left out)
@@ -94,6 +95,12 @@ CONTROL_READY = "READY"
 ITEM_IDS = TensorSpec("ITEM_IDS", "BYTES", (-1,), doc="the data set's raw item ids of the new events, oldest first")
 ACTIONS = TensorSpec("ACTIONS", "INT64", (-1,), doc="action id of each event (ratings 1..5, 0 = none)")
 TIMESTAMPS = TensorSpec("TIMESTAMPS", "INT64", (-1,), doc="event times in seconds, non-decreasing")
+EVENTS_BEFORE = TensorSpec(
+    "EVENTS_BEFORE", "INT64", (1,), optional=True,
+    doc="events the client sent to this session before this request: the server applies only the events past the "
+        "count it has (a retried request is applied once) and refuses a gap. Absent: the events go after whatever the "
+        "server has, and a START request with events starts the history afresh",
+)
 
 TOP_K = TensorSpec("TOP_K", "INT32", (1,), optional=True, doc="recommendations returned")
 BEAM_WIDTH = TensorSpec("BEAM_WIDTH", "INT32", (1,), optional=True, doc="beams = candidates ranked")
@@ -112,6 +119,8 @@ RETRIEVAL_LOG_PROBS = TensorSpec("RETRIEVAL_LOG_PROBS", "FP32", (-1,), doc="beam
 SEMANTIC_IDS = TensorSpec("SEMANTIC_IDS", "INT32", (-1, "C"), doc="the items' semantic IDs")
 HISTORY_LENGTH = TensorSpec("HISTORY_LENGTH", "INT64", (1,), doc="events in the session's history after this request")
 TRUNCATED = TensorSpec("TRUNCATED", "INT32", (1,), doc="oldest events dropped by this request to stay within max history")
+EVENT_COUNT = TensorSpec("EVENT_COUNT", "INT64", (1,), doc="events the server holds for the session after this request (all ever accepted)")
+RESTORED = TensorSpec("RESTORED", "BOOL", (1,), doc="true when the session was not cached and was rebuilt from the event log")
 
 # ------------------------------------------------------------------------------------------
 # Tensors between the stages
@@ -143,8 +152,9 @@ class ModelContract:
 
 ENCODER_CONTRACT = ModelContract(
     ENCODER,
-    inputs=(ITEM_IDS, ACTIONS, TIMESTAMPS) + OPTION_INPUTS,  # options only validated here
-    outputs=(HISTORY_STATES, HISTORY_KEYS, HISTORY_VALUES, HISTORY_TIMESTAMPS, HISTORY_ITEMS, HISTORY_LENGTH, TRUNCATED),
+    inputs=(ITEM_IDS, ACTIONS, TIMESTAMPS, EVENTS_BEFORE) + OPTION_INPUTS,  # options only validated here
+    outputs=(HISTORY_STATES, HISTORY_KEYS, HISTORY_VALUES, HISTORY_TIMESTAMPS, HISTORY_ITEMS, HISTORY_LENGTH, TRUNCATED,
+             EVENT_COUNT, RESTORED),
     ragged=("ITEM_IDS", "ACTIONS", "TIMESTAMPS"),
 )
 DECODER_CONTRACT = ModelContract(
@@ -163,8 +173,8 @@ RANKER_CONTRACT = ModelContract(
 )
 ENSEMBLE_CONTRACT = ModelContract(
     ENSEMBLE,
-    inputs=(ITEM_IDS, ACTIONS, TIMESTAMPS) + OPTION_INPUTS,
-    outputs=(RECOMMENDED_IDS, RANK_SCORES, RETRIEVAL_LOG_PROBS, SEMANTIC_IDS, HISTORY_LENGTH, TRUNCATED),
+    inputs=(ITEM_IDS, ACTIONS, TIMESTAMPS, EVENTS_BEFORE) + OPTION_INPUTS,
+    outputs=(RECOMMENDED_IDS, RANK_SCORES, RETRIEVAL_LOG_PROBS, SEMANTIC_IDS, HISTORY_LENGTH, TRUNCATED, EVENT_COUNT, RESTORED),
 )
 CONTRACTS = {c.name: c for c in (ENCODER_CONTRACT, DECODER_CONTRACT, RANKER_CONTRACT, ENSEMBLE_CONTRACT)}
 
@@ -181,3 +191,4 @@ INVALID_ARGUMENT = "INVALID_ARGUMENT"
 NOT_FOUND = "NOT_FOUND"
 RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
 FAILED_PRECONDITION = "FAILED_PRECONDITION"
+UNAVAILABLE = "UNAVAILABLE"  # retry: the event log or a concurrent writer got in the way

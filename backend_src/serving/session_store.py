@@ -1,14 +1,16 @@
-"""Per-session state of the history encoder, keyed by the sequence (correlation) id.
+"""The history encoder's cache of encoded sessions, keyed by the user's session id.
 
 A session holds the user's encoded history (a single-user ``HistoryCache``: per-layer K/V and
-final states) and the raw events behind it (item indices, actions, timestamps), so that a
-history that would grow past the maximum length can be re-encoded from its most recent
-events.
+final states), the events behind it (item indices, actions, timestamps of the most recent
+``n <= max history`` events, so that a history that would grow past the maximum length can be
+re-encoded from its most recent events) and ``count``, the number of events the durable event
+log held when this cache was made. The cache is only ever a copy of the log: the encoder
+compares ``count`` with the log's count on every request, so a stale entry (another instance or
+replica appended since) is re-built rather than served.
 
-Bounds: the total bytes of all sessions (least recently used sessions are evicted first) and
-an idle timeout (sessions not touched for that long are evicted by ``sweep``). A session ends
-at the sequence's END. The store remembers, for a while, why a session went away, so that a
-later request for it gets a useful error instead of "unknown".
+The cache outlives Triton's sequences (a sequence is one visit); it is bounded by the total
+bytes of all sessions (least recently used sessions are evicted first) and an idle timeout
+(``sweep``). Eviction loses nothing: the next request re-builds the session from the log.
 
 Thread-safe (one lock); tensors are stored as given, the caller must not mutate them.
 """
@@ -23,8 +25,7 @@ from typing import Any, Callable, Hashable
 import torch
 
 DEFAULT_MAX_BYTES = 2 << 30  # 2 GiB: a tenth of a 24 GiB machine
-DEFAULT_IDLE_TIMEOUT_S = 600.0
-_FORGOTTEN_MAX = 100_000  # how many gone sessions keep their reason
+DEFAULT_IDLE_TIMEOUT_S = 3600.0
 
 
 def tensor_bytes(obj: Any) -> int:
@@ -44,6 +45,7 @@ class Session:
     items: torch.Tensor  # [n] long item indices (the most recent n <= max history events)
     actions: torch.Tensor  # [n] long
     timestamps: torch.Tensor  # [n] long seconds
+    count: int = 0  # events in the event log when this cache was made (all ever accepted)
     last_access: float = 0.0
 
     @property
@@ -77,7 +79,7 @@ class SessionStore:
         self._sessions: "OrderedDict[Hashable, Session]" = OrderedDict()  # LRU first
         self._bytes: dict = {}
         self._total = 0
-        self._forgotten: "OrderedDict[Hashable, str]" = OrderedDict()
+        self.peak_bytes = 0
         self.evictions = {"memory": 0, "idle": 0}
 
     # ---- queries --------------------------------------------------------------------------
@@ -100,14 +102,6 @@ class SessionStore:
                 self._sessions.move_to_end(key)
             return s
 
-    def why_missing(self, key: Hashable) -> str:
-        """Why there is no session for `key`, phrased for an error message."""
-        with self._lock:
-            reason = self._forgotten.get(key)
-        if reason is None:
-            return "was never started (send the first request with sequence_start and the full history)"
-        return f"{reason}; start it again with sequence_start and the full history"
-
     # ---- updates --------------------------------------------------------------------------
     def put(self, key: Hashable, session: Session) -> list:
         """Insert or replace a session; evicts least recently used others to stay within the
@@ -119,25 +113,22 @@ class SessionStore:
         with self._lock:
             self._remove(key)
             session.last_access = self._clock()
+            evicted = []
+            while self._total + nbytes > self.max_bytes:  # make room first: the bound is never exceeded
+                old = next(iter(self._sessions))  # least recently used
+                self._remove(old)
+                self.evictions["memory"] += 1
+                evicted.append(old)
             self._sessions[key] = session
             self._bytes[key] = nbytes
             self._total += nbytes
-            self._forgotten.pop(key, None)
-            evicted = []
-            while self._total > self.max_bytes:
-                old = next(iter(self._sessions))  # least recently used; never `key` (it is last)
-                self._remove(old)
-                self._forget(old, "was evicted to keep session memory within its bound")
-                self.evictions["memory"] += 1
-                evicted.append(old)
+            self.peak_bytes = max(self.peak_bytes, self._total)
             return evicted
 
-    def end(self, key: Hashable) -> bool:
-        """Free a session at the sequence's END. True if it existed."""
+    def discard(self, key: Hashable) -> bool:
+        """Drop a session's cache (stale, or its log was deleted). True if it existed."""
         with self._lock:
-            found = self._remove(key)
-            self._forget(key, "has already ended")
-            return found
+            return self._remove(key)
 
     def sweep(self) -> list:
         """Evict sessions idle for longer than the timeout. Returns their keys."""
@@ -148,7 +139,6 @@ class SessionStore:
                 if now - s.last_access <= self.idle_timeout_s:
                     break
                 self._remove(key)
-                self._forget(key, f"was evicted after {self.idle_timeout_s:g} s idle")
                 self.evictions["idle"] += 1
                 evicted.append(key)
         return evicted
@@ -167,17 +157,12 @@ class SessionStore:
         self._total -= self._bytes.pop(key)
         return True
 
-    def _forget(self, key, reason: str) -> None:
-        self._forgotten[key] = reason
-        self._forgotten.move_to_end(key)
-        while len(self._forgotten) > _FORGOTTEN_MAX:
-            self._forgotten.popitem(last=False)
-
     def stats(self) -> dict:
         with self._lock:
             return {
                 "sessions": len(self._sessions),
                 "bytes": self._total,
+                "peak_bytes": self.peak_bytes,
                 "max_bytes": self.max_bytes,
                 "evicted_memory": self.evictions["memory"],
                 "evicted_idle": self.evictions["idle"],

@@ -1,20 +1,36 @@
-"""history_encoder: the HSTU backbone over each user session's history (sequence batching).
+"""history_encoder: the HSTU backbone over each user session's history.
 
-The first request of a session (START) carries the user's history; later ones only the events
-since. The session's HistoryCache (per-layer K/V and final states) stays in this instance,
-keyed by the sequence id, and only appended events are encoded (causal HSTU, so appending
-equals re-encoding). A history that would exceed max_history keeps its most recent
-max_history events: they are re-encoded and the number dropped is returned in TRUNCATED.
-Requests of different sessions in one call are encoded in one batched forward/append.
-Every request gets the session's whole cached history as outputs for the decoder and ranker.
-The session is freed at END, after max idle time, or when the memory bound needs room.
+A user's state has three lifetimes, kept apart:
+- a *visit* is one Triton sequence (START ... END): the sequence batcher sends its requests to
+  this instance in order, and its slot is held only while the visit lasts;
+- the *cache* is the session's HistoryCache (per-layer K/V and final states) in this instance's
+  bounded LRU store, keyed by the session id; it outlives the visit, and a later request encodes
+  only its appended events (causal HSTU, so appending equals re-encoding);
+- the *log* holds every accepted event (the durable event log), written before the response.
+  When a session is not in the cache (evicted, a new version, a restarted stub or server, or
+  another instance or replica appended since), its history is rebuilt from the log with the
+  version now serving, and RESTORED says so.
+
+Exactly once: EVENTS_BEFORE is the number of events the client sent before this request. Only
+events past the log's count are applied, so a retried request is answered from the state it
+already made; a gap is refused with the count the server has. Without EVENTS_BEFORE the events
+go after whatever the log holds, and START with events starts the history afresh.
+
+A history that would exceed max_history keeps its most recent max_history events: they are
+re-encoded and the number dropped is returned in TRUNCATED. Requests of different sessions in
+one call are encoded in one batched forward/append and logged in one write. A refused request
+changes nothing, END included.
 """
 import json
+import os
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
+
+LOG_SWEEP_INTERVAL_S = 600.0
 
 
 def _params(args) -> dict:
@@ -28,15 +44,45 @@ def _import_path(params) -> None:
         sys.path.insert(0, root)
 
 
+def session_key(correlation_id) -> str:
+    """The log's and cache's key of a session: integer and string sequence ids never collide."""
+    return f"i:{correlation_id}" if isinstance(correlation_id, int) else f"s:{correlation_id}"
+
+
+def event_log_url(params: dict, model_dir: Path) -> str:
+    """GENREC_EVENT_LOG (the server's setting) > the config's event_log > a SQLite file beside
+    the model repository (nothing to start)."""
+    url = os.environ.get("GENREC_EVENT_LOG") or params.get("event_log", "")
+    if url:
+        return url
+    repository = model_dir.resolve().parent
+    return str(repository.parent / f"{repository.name}-events" / "events.sqlite3")
+
+
+class _Request:
+    """One parsed request: nothing looked up in the log or the cache yet."""
+
+    def __init__(self, index, key, start, end, offset, ids, actions, timestamps):
+        self.index, self.key, self.start, self.end, self.offset = index, key, start, end, offset
+        self.ids, self.actions, self.timestamps = ids, actions, timestamps  # the request's events (numpy)
+
+
 class _Plan:
     """What one valid request does."""
 
-    def __init__(self, index, key, start, end, session, items, actions, timestamps, reencode, truncated):
-        self.index, self.key, self.start, self.end, self.session = index, key, start, end, session
-        self.items, self.actions, self.timestamps = items, actions, timestamps  # new (or re-encoded) events
-        self.reencode, self.truncated = reencode, truncated
+    def __init__(self, req, logged):
+        self.index, self.key, self.end = req.index, req.key, req.end
+        self.logged = logged  # events in the log before this request
+        self.reset = False  # START without EVENTS_BEFORE: the history starts afresh
+        self.session = None  # the cached session, when it is current
+        self.restored = False  # the base history comes from the log
+        self.new = None  # (raw ids, actions, timestamps) of the events this request applies
+        self.base = None  # (items, actions, timestamps) tensors of the history before them
+        self.items = self.actions = self.timestamps = None  # events to encode (new, or the whole kept history)
+        self.reencode, self.truncated = False, 0
         self.cache = None
-        self.history_items = None  # [n] items of the history rows once committed
+        self.count = logged  # events in the log after this request
+        self.history = None  # (items, actions, timestamps) of the history rows once encoded
 
 
 class TritonPythonModel:
@@ -49,12 +95,13 @@ class TritonPythonModel:
         from backend_src.model.recommender import GenerativeRecommender
         from backend_src.serving import protocol as P
         from backend_src.serving import validation as V
+        from backend_src.serving.event_log import open_event_log
         from backend_src.serving.session_store import Session, SessionStore
 
         self.torch, self.P, self.V, self.Session, self.HistoryCache = torch, P, V, Session, HistoryCache
         torch.set_num_threads(int(params.get("torch_threads", 1)))
-        vdir = Path(args["model_repository"]) / args["model_version"]
-        self.model = GenerativeRecommender.load(vdir / "model.pt")
+        model_dir = Path(args["model_repository"])
+        self.model = GenerativeRecommender.load(model_dir / args["model_version"] / "model.pt")
         self.device = "cuda" if torch.cuda.is_available() else "cpu"  # sessions live where the model runs
         self.model.to(self.device)
         self.model.backbone.warm_up()
@@ -73,57 +120,149 @@ class TritonPythonModel:
         self.default_top_k = int(params.get("top_k", 10))
         self.store = SessionStore(
             max_bytes=int(params.get("session_max_bytes", 2 << 30)),
-            idle_timeout_s=float(params.get("idle_timeout_s", 600)),
+            idle_timeout_s=float(params.get("cache_idle_s", 3600)),
         )
         self.max_elements = max(self.limits.max_request_events, 1)
+        ttl = float(params.get("log_ttl_s", 0))
+        self.log = open_event_log(
+            event_log_url(params, model_dir),
+            retain_events=max(int(params.get("log_retain_events", 4096)), self.max_history),
+            ttl_s=ttl if ttl > 0 else None,
+            durability=params.get("log_durability", "full"),
+        )
+        self._metrics(args)
+        self._stop = threading.Event()
+        self._sweeper = threading.Thread(target=self._sweep_log, daemon=True, name="event-log-retention")
+        self._sweeper.start()
 
-    # ---- one request -> plan (all checks, nothing changes yet) ------------------------------
+    # ---- metrics on Triton's /metrics endpoint ---------------------------------------------
+    def _metrics(self, args) -> None:
+        labels = {"model": args["model_name"], "version": args["model_version"]}
+        gauge, counter = pb_utils.MetricFamily.GAUGE, pb_utils.MetricFamily.COUNTER
+        self._families = []  # a family must outlive its metrics
+
+        def family(name, kind, doc):
+            self._families.append(pb_utils.MetricFamily(name=name, description=doc, kind=kind))
+            return self._families[-1].Metric(labels=labels)
+
+        self.m_bytes = family("genrec_session_cache_bytes", gauge, "bytes of the cached sessions")
+        self.m_peak = family("genrec_session_cache_peak_bytes", gauge, "most bytes the session cache has held")
+        self.m_bound = family("genrec_session_cache_bound_bytes", gauge, "the session cache's memory bound")
+        self.m_sessions = family("genrec_session_cache_sessions", gauge, "sessions in the cache")
+        self.m_restored = family("genrec_sessions_restored_total", counter, "sessions rebuilt from the event log")
+        self.m_logged = family("genrec_events_logged_total", counter, "events written to the event log")
+        self.m_replayed = family("genrec_events_replayed_total", counter, "events of retried requests not applied again")
+        self.m_bound.set(self.store.max_bytes)
+
+    def _update_gauges(self) -> None:
+        s = self.store.stats()
+        self.m_bytes.set(s["bytes"])
+        self.m_peak.set(s["peak_bytes"])
+        self.m_sessions.set(s["sessions"])
+
+    def _sweep_log(self) -> None:
+        while not self._stop.wait(LOG_SWEEP_INTERVAL_S):
+            try:
+                self.log.sweep()
+            except Exception as e:  # noqa: BLE001 - retention retries at the next interval
+                print(f"history_encoder: event log retention sweep failed: {e}", file=sys.stderr)
+
+    # ---- one request -> parsed request (all checks that need neither log nor cache) ---------
     def _flag(self, request, name, bit):
         t = pb_utils.get_input_tensor_by_name(request, name)
         if t is not None:
             return bool(np.asarray(t.as_numpy()).reshape(-1)[0])
         return bool(request.flags() & bit)
 
-    def _plan(self, index, request) -> _Plan:
-        P, V, torch = self.P, self.V, self.torch
-        key = request.correlation_id()
-        if key == 0 or key == "":
+    def _parse(self, index, request) -> _Request:
+        P, V = self.P, self.V
+        cid = request.correlation_id()
+        if cid == 0 or cid == "":
             raise V.RequestError("history_encoder needs a sequence id (one per user session)")
         start = self._flag(request, P.CONTROL_START, 1)
         end = self._flag(request, P.CONTROL_END, 2)
-        read = lambda spec: V.read_input(request, spec, self.sizes, self.max_elements, pb_utils.get_input_tensor_by_name)
+        read = lambda spec: V.read_input(request, spec, self.sizes, self.max_elements, pb_utils.get_input_tensor_by_name)  # noqa: E731
         raw = read(P.ITEM_IDS)
         actions = read(P.ACTIONS).reshape(-1).astype(np.int64)
         timestamps = read(P.TIMESTAMPS).reshape(-1).astype(np.int64)
+        offset = read(P.EVENTS_BEFORE)
+        if offset is not None:
+            offset = int(V._one(offset, P.EVENTS_BEFORE.name))
+            if offset < 0:
+                raise V.RequestError(f"EVENTS_BEFORE must be >= 0, got {offset}")
         options = {spec.name: read(spec) for spec in P.OPTION_INPUTS}
         V.parse_options(options, self.defaults, self.default_top_k, self.limits)  # refuse bad options before any change
-
-        session = None if start else self.store.get(key)
-        if not start and session is None:
-            raise V.RequestError(f"session {key!r} {self.store.why_missing(key)}")
         ids = V.decode_strings(raw, P.ITEM_IDS.name)
-        V.check_events(len(ids), actions, timestamps, self.limits, start, None if session is None else session.last_timestamp)
+        # the request's own events: counts, action ids, time order within the request
+        V.check_events(len(ids), actions, timestamps, self.limits, start=False, session_last_timestamp=None)
+        return _Request(index, session_key(cid), start, end, offset, ids, actions, timestamps)
+
+    # ---- parsed request + the log's count -> plan ---------------------------------------------
+    def _plan(self, req: _Request, logged: int) -> _Plan:
+        P, V = self.P, self.V
+        plan = _Plan(req, logged)
+        n = len(req.ids)
+        session = self.store.get(req.key)
+        if session is not None and session.count != logged:  # another writer appended since: rebuild
+            self.store.discard(req.key)
+            session = None
+        if req.start and req.offset is None and n > 0:
+            plan.reset, skip = True, 0
+        else:
+            offset = logged if req.offset is None else req.offset
+            if offset > logged:
+                raise V.RequestError(
+                    f"session {req.key[2:]!r}: EVENTS_BEFORE is {offset} but the server holds {logged} events of it; "
+                    f"send the events from event {logged} on",
+                    P.FAILED_PRECONDITION,
+                )
+            skip = min(logged - offset, n)  # events the log already has: a retry, applied once
+            if skip:
+                self.m_replayed.increment(skip)
+            if logged == 0 and n == skip:
+                raise V.RequestError(
+                    f"session {req.key[2:]!r} has no events on this server: open it with the user's history", P.NOT_FOUND
+                )
+        plan.new = (req.ids[skip:], req.actions[skip:], req.timestamps[skip:])
+        if not plan.reset:
+            plan.session = session
+            plan.restored = session is None and logged > 0
+        return plan
+
+    def _set_base(self, plan: _Plan, tail) -> None:
+        """The history before this request's events: the cached session's, or the log's tail
+        (items this version does not know are left out)."""
+        torch = self.torch
+        if plan.session is not None:
+            s = plan.session
+            plan.base = (s.items, s.actions, s.timestamps)
+        elif plan.restored:
+            items = self.model.item_indices(tail.items, strict=False)
+            keep = items > 0
+            plan.base = tuple(torch.from_numpy(np.asarray(x, dtype=np.int64)[keep]) for x in (items, tail.actions, tail.timestamps))
+        else:  # a new session, or one that starts afresh
+            empty = torch.zeros(0, dtype=torch.long)
+            plan.base = (empty, empty, empty)
+        ids, actions, timestamps = plan.new
+        last = int(plan.base[2][-1]) if plan.base[2].numel() else None
+        self.V.check_events(len(ids), actions, timestamps, self.limits, start=False, session_last_timestamp=last)
         try:
             items = self.model.item_indices(ids)
         except KeyError as e:
-            raise V.unknown_items_error(e) from None
-
-        items, actions, timestamps = (torch.from_numpy(x) for x in (items, actions, timestamps))
-        old = 0 if session is None else session.length
-        total = old + items.shape[0]
-        if session is not None and total <= self.max_history:
-            return _Plan(index, key, start, end, session, items, actions, timestamps, reencode=False, truncated=0)
-        # START, or the history would grow too long: encode the most recent max_history events
-        if session is not None:
-            items = torch.cat([session.items, items])
-            actions = torch.cat([session.actions, actions])
-            timestamps = torch.cat([session.timestamps, timestamps])
+            raise self.V.unknown_items_error(e) from None
+        new = tuple(torch.from_numpy(np.ascontiguousarray(x, dtype=np.int64)) for x in (items, actions, timestamps))
+        total = plan.base[0].shape[0] + new[0].shape[0]
+        if plan.session is not None and total <= self.max_history:
+            plan.items, plan.actions, plan.timestamps = new
+            return
+        # a new or restored history, or one that would grow too long: encode the most recent max_history
         drop = max(0, total - self.max_history)
-        return _Plan(index, key, start, end, session, items[drop:], actions[drop:], timestamps[drop:], reencode=True, truncated=drop)
+        plan.items, plan.actions, plan.timestamps = (torch.cat([b, x])[drop:] for b, x in zip(plan.base, new))
+        plan.reencode, plan.truncated = True, drop
 
     # ---- batched encoding -------------------------------------------------------------------
     def _pad(self, plans):
-        """New events of the plans -> left-aligned [B, n] tensors + lengths [B]."""
+        """Events of the plans -> left-aligned [B, n] tensors + lengths [B]."""
         pad = self.torch.nn.utils.rnn.pad_sequence
         lengths = self.torch.tensor([p.items.shape[0] for p in plans], dtype=self.torch.long)
         out = [pad([getattr(p, f) for p in plans], batch_first=True).to(self.device) for f in ("items", "actions", "timestamps")]
@@ -149,19 +288,42 @@ class TritonPythonModel:
                 items, actions, ts, lengths = self._pad(grow)
                 for p, c in zip(grow, self.model.append(cache, items, actions, ts, lengths).split()):
                     p.cache = c
+        for p in plans:
+            if p.reencode:
+                p.history = (p.items, p.actions, p.timestamps)
+            else:
+                p.history = tuple(self.torch.cat([b, x]) for b, x in zip(p.base, (p.items, p.actions, p.timestamps)))
+
+    # ---- the log, before any answer ---------------------------------------------------------
+    def _write_log(self, plans, errors: dict) -> None:
+        """Log every plan's new events (one write for the appends); a plan whose write lost a
+        race with another writer fails (the client retries), nothing else changes."""
+        from backend_src.serving.event_log import LogConflict
+
+        as_lists = lambda p: (list(p.new[0]), p.new[1].tolist(), p.new[2].tolist())  # noqa: E731
+        appends = [p for p in plans if not p.reset and len(p.new[0])]
+        results = self.log.append_many([(p.key, p.logged, *as_lists(p)) for p in appends])
+        for p, r in zip(appends, results):
+            if isinstance(r, LogConflict):
+                errors[p.index] = self.V.RequestError(
+                    f"session {p.key[2:]!r}: another request appended to it at the same time (the server now holds "
+                    f"{r.count} events); retry with EVENTS_BEFORE",
+                    self.P.UNAVAILABLE,
+                )
+            else:
+                p.count = int(r)
+        for p in plans:
+            if p.reset:
+                p.count = int(self.log.replace(p.key, *as_lists(p)))
+        logged = sum(len(p.new[0]) for p in plans if p.index not in errors)
+        if logged:
+            self.m_logged.increment(logged)
 
     def _commit(self, p) -> None:
-        torch = self.torch
-        if p.reencode:
-            items, actions, ts = p.items, p.actions, p.timestamps
-        else:
-            s = p.session
-            items, actions, ts = (torch.cat([a, b]) for a, b in ((s.items, p.items), (s.actions, p.actions), (s.timestamps, p.timestamps)))
-        p.history_items = items  # the history rows' items, for the ranker's EXCLUDE_SEEN
-        if p.end:
-            self.store.end(p.key)
-        else:
-            self.store.put(p.key, self.Session(cache=p.cache, items=items, actions=actions, timestamps=ts))
+        items, actions, ts = p.history
+        self.store.put(p.key, self.Session(cache=p.cache, items=items, actions=actions, timestamps=ts, count=p.count))
+        if p.restored:
+            self.m_restored.increment(1)
 
     def _response(self, p):
         P, c = self.P, p.cache
@@ -171,11 +333,13 @@ class TritonPythonModel:
             P.HISTORY_KEYS.name: c.keys[:, :, :n].transpose(0, 1),  # [1, L, n, H, dh]
             P.HISTORY_VALUES.name: c.values[:, :, :n].transpose(0, 1),
             P.HISTORY_TIMESTAMPS.name: c.timestamps[:, :n],  # [1, n]
-            P.HISTORY_ITEMS.name: p.history_items[None],  # [1, n]
+            P.HISTORY_ITEMS.name: p.history[0][None],  # [1, n]
         }
         tensors = [pb_utils.Tensor(k, np.ascontiguousarray(v.cpu().numpy())) for k, v in outs.items()]
         tensors.append(pb_utils.Tensor(P.HISTORY_LENGTH.name, np.array([[n]], dtype=np.int64)))
         tensors.append(pb_utils.Tensor(P.TRUNCATED.name, np.array([[p.truncated]], dtype=np.int32)))
+        tensors.append(pb_utils.Tensor(P.EVENT_COUNT.name, np.array([[p.count]], dtype=np.int64)))
+        tensors.append(pb_utils.Tensor(P.RESTORED.name, np.array([[p.restored]], dtype=np.bool_)))
         return pb_utils.InferenceResponse(output_tensors=tensors)
 
     def _error(self, exc):
@@ -183,7 +347,65 @@ class TritonPythonModel:
             return pb_utils.InferenceResponse(error=pb_utils.TritonError(exc.message, self.V.error_code(exc.status, pb_utils.TritonError)))
         return pb_utils.InferenceResponse(error=pb_utils.TritonError(f"history_encoder: {type(exc).__name__}: {exc}", pb_utils.TritonError.INTERNAL))
 
+    def _log_unavailable(self, exc):
+        return self.V.RequestError(f"history_encoder: the event log is unavailable ({type(exc).__name__}: {exc}); retry", self.P.UNAVAILABLE)
+
     # ---- Triton entry points ------------------------------------------------------------------
+    def _round(self, batch, responses) -> None:
+        """Requests of distinct sessions: parse, read the log's counts, plan, rebuild misses from
+        the log, encode, log, then cache and answer."""
+        errors = {}
+        reqs = []
+        for i, r in batch:
+            try:
+                reqs.append(self._parse(i, r))
+            except Exception as e:  # noqa: BLE001 - a bad request fails alone
+                errors[i] = e
+        plans = []
+        try:
+            counts = self.log.counts([q.key for q in reqs]) if reqs else []
+        except Exception as e:  # noqa: BLE001 - no log, no change: every request of the round fails
+            errors.update({q.index: self._log_unavailable(e) for q in reqs})
+            counts, reqs = [], []
+        for q, logged in zip(reqs, counts):
+            try:
+                plans.append(self._plan(q, int(logged)))
+            except Exception as e:  # noqa: BLE001
+                errors[q.index] = e
+        try:
+            restore = [p for p in plans if p.restored]
+            tails = dict(zip((p.index for p in restore), self.log.tails([p.key for p in restore], self.max_history) if restore else []))
+        except Exception as e:  # noqa: BLE001
+            errors.update({p.index: self._log_unavailable(e) for p in restore})
+            plans, tails = [p for p in plans if not p.restored], {}
+        ready = []
+        for p in plans:
+            try:
+                self._set_base(p, tails.get(p.index))
+                ready.append(p)
+            except Exception as e:  # noqa: BLE001
+                errors[p.index] = e
+        plans = ready
+        try:
+            self._run(plans)
+        except Exception as e:  # noqa: BLE001 - the batch fails, the sessions stay as they were
+            errors.update({p.index: e for p in plans})
+            plans = []
+        try:
+            self._write_log(plans, errors)
+        except Exception as e:  # noqa: BLE001 - nothing was acknowledged: the requests fail, the client retries
+            errors.update({p.index: self._log_unavailable(e) for p in plans})
+        for p in plans:
+            if p.index in errors:
+                continue
+            try:
+                self._commit(p)
+            except Exception as e:  # noqa: BLE001 - logged but not cached: the next request rebuilds it from the log
+                print(f"history_encoder: session {p.key!r} not cached: {e}", file=sys.stderr)
+            responses[p.index] = self._response(p)
+        for i, e in errors.items():
+            responses[i] = self._error(e)
+
     def execute(self, requests):
         self.store.sweep()
         responses = [None] * len(requests)
@@ -194,28 +416,12 @@ class TritonPythonModel:
                 key = r.correlation_id()
                 (later if key in seen else now).append((i, r))
                 seen.add(key)
-            plans = []
-            for i, r in now:
-                try:
-                    plans.append(self._plan(i, r))
-                except Exception as e:  # noqa: BLE001 - a bad request fails alone
-                    responses[i] = self._error(e)
-            try:
-                self._run(plans)
-            except Exception as e:  # noqa: BLE001 - the batch fails, the sessions stay as they were
-                for p in plans:
-                    responses[p.index] = self._error(e)
-                plans = []
-            for p in plans:
-                try:
-                    self._commit(p)
-                    responses[p.index] = self._response(p)
-                except Exception as e:  # noqa: BLE001
-                    if type(e).__name__ == "SessionTooLarge":
-                        e = self.V.RequestError(str(e), self.P.RESOURCE_EXHAUSTED)
-                    responses[p.index] = self._error(e)
+            self._round(now, responses)
             pending = later
+        self._update_gauges()
         return responses
 
     def finalize(self):
+        self._stop.set()
         self.store.clear()
+        self.log.close()
