@@ -43,12 +43,19 @@ def redis_server(tmp_path_factory):
         yield server
 
 
-@pytest.fixture(params=["sqlite", "redis"])
+@pytest.fixture(params=["sqlite", "redis", "memory"])
 def log_url(request, tmp_path):
     if request.param == "sqlite":
         return f"sqlite://{tmp_path}/logs/events.db"
+    if request.param == "memory":
+        return "memory:"
     server = _redis_or_skip(request)
     return f"{server.url}?prefix=test-{uuid.uuid4().hex[:8]}:"  # a fresh key space per test
+
+
+def durable_only(log_url: str) -> None:
+    if log_url == "memory:":
+        pytest.skip("the memory log lives in one object: not shared between processes or openings")
 
 
 @pytest.fixture
@@ -180,7 +187,8 @@ def test_threads_sharing_one_log(open_log):
 
 
 # ------------------------------------------------------------------------------ retention
-def test_retention_trims_old_events_but_count_keeps_counting(open_log):
+def test_retention_trims_old_events_but_count_keeps_counting(open_log, log_url):
+    durable_only(log_url)
     log = open_log(retain_events=5)
     log.append("u", 0, ["e0", "e1", "e2"], [0, 1, 2], [0, 1, 2])
     log.append("u", 3, ["e3", "e4", "e5", "e6"], [3, 4, 5, 6], [3, 4, 5, 6])
@@ -335,6 +343,7 @@ print(conflicts)
 
 
 def test_two_processes_appending_to_the_same_users(open_log, log_url):
+    durable_only(log_url)
     users, n = ["p:1", "p:{2}", "p:ü"], 60
     workers = [_run_python(_CONCURRENT_WORKER, log_url, tag, json.dumps(users), n, mode)
                for tag, mode in (("A", "many"), ("B", "one"))]
@@ -367,6 +376,7 @@ while True:
 
 
 def test_acknowledged_events_survive_a_killed_writer(open_log, log_url):
+    durable_only(log_url)
     user = "s:durable"
     writer = _run_python(_DURABILITY_WORKER, log_url, user)
     acked = 0
@@ -469,6 +479,6 @@ def test_stats(open_log):
     log = open_log(retain_events=8)
     log.append("u", 0, ["a"], [1], [1])
     stats = log.stats()
-    assert stats["backend"] in ("sqlite", "redis") and stats["retain_events"] == 8
+    assert stats["backend"] in ("sqlite", "redis", "memory") and stats["retain_events"] == 8
     if stats["backend"] == "sqlite":
         assert stats["users"] == 1 and stats["durability"] == "full"

@@ -100,6 +100,15 @@ def test_a_session_outlives_its_visit_and_only_new_events_are_encoded(served):
     log = logged(served["repo"], "visit-1")
     assert (log.count, log.items, log.timestamps) == (8, items, ts)
 
+    # a data deletion request: the log goes, and the server's cached copy is not served again
+    from backend_src.serving.event_log import main as event_log_cli
+    from clients.client import SessionLost
+
+    repo = served["repo"]
+    assert event_log_cli(["delete", "--log", str(repo.parent / f"{repo.name}-events" / "events.sqlite3"), "--session", "visit-1"]) == 0
+    with RecommenderClient(url) as c, pytest.raises(SessionLost):
+        c.recommend("visit-1", **OPTS)
+
 
 def _raw(client, sid, items, ts, before=None, start=False, end=False, actions=None):
     n = len(items)

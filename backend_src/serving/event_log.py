@@ -42,7 +42,8 @@ Errors
     ``EventLogUnavailable`` (a ``ConnectionError`` naming the Redis URL, password hidden)
     when Redis cannot be reached, which the caller answers as UNAVAILABLE.
 
-Backends, chosen by URL in ``open_event_log``:
+Backends, chosen by URL in ``open_event_log`` (``memory:`` keeps the log in the process, NOT
+durable: only to measure what the others cost):
     ``sqlite:///abs/path.db``, ``sqlite:relative/path.db`` or a bare path -> SQLiteEventLog
     ``redis://[user:password@]host:port/db[?prefix=...]``            -> RedisEventLog
 """
@@ -658,6 +659,64 @@ class RedisEventLog(EventLog):
 
 
 # ------------------------------------------------------------------------------------------
+# In memory (not durable)
+# ------------------------------------------------------------------------------------------
+class MemoryEventLog(EventLog):
+    """The same semantics in this process's memory, lost with it: NOT durable. It exists to
+    measure what a durable log costs (benchmarks run it beside SQLite and Redis)."""
+
+    def __init__(self, **options):
+        super().__init__(**options)
+        self._lock = threading.Lock()
+        self._logs: dict = {}  # user -> [count, items, actions, timestamps]
+
+    def _counts(self, users):
+        with self._lock:
+            return [self._logs[u][0] if u in self._logs else 0 for u in users]
+
+    def _tails(self, users, n):
+        with self._lock:
+            out = []
+            for u in users:
+                count, items, actions, ts = self._logs.get(u, (0, [], [], []))
+                cut = slice(len(items) - min(n, len(items)), None)
+                out.append(UserLog(count, items[cut], actions[cut], ts[cut]))
+            return out
+
+    def _append_many(self, writes):
+        with self._lock:
+            results = []
+            for user, expected, total, items, actions, ts in writes:
+                log = self._logs.setdefault(user, [0, [], [], []])
+                if log[0] != expected:
+                    results.append(LogConflict(log[0], user, expected))
+                    continue
+                log[0] += total
+                for i, new in enumerate((items, actions, ts), start=1):
+                    log[i] = (log[i] + list(new))[-self.retain_events:]
+                results.append(log[0])
+            return results
+
+    def _replace(self, user, total, items, actions, timestamps):
+        with self._lock:
+            self._logs[user] = [total, list(items), list(actions), list(timestamps)]
+            return total
+
+    def _delete(self, user):
+        with self._lock:
+            return self._logs.pop(user, None) is not None
+
+    def sweep(self) -> int:
+        return 0
+
+    def stats(self) -> dict:
+        return {"backend": "memory", "users": len(self._logs), "retain_events": self.retain_events}
+
+    def close(self) -> None:
+        pass
+
+
+# ------------------------------------------------------------------------------------------
 # Opening by URL
 # ------------------------------------------------------------------------------------------
 def _sqlite_path(url: str) -> str:
@@ -718,9 +777,48 @@ def open_event_log(url: str, *, retain_events: int = DEFAULT_RETAIN_EVENTS, ttl_
         return RedisEventLog(client_url, prefix=prefix, **options)
     if scheme == "sqlite":
         return SQLiteEventLog(_sqlite_path(url), **options)
+    if url == "memory:":
+        return MemoryEventLog(**options)
     if "://" in url:
         raise ValueError(f"unsupported event log URL {_redact(url)!r}: use sqlite:///path.db, a file path "
                          f"or redis://host:port/db")
     if url == ":memory:":
         raise ValueError("an in-memory SQLite event log is not durable; give a file path")
     return SQLiteEventLog(url, **options)
+
+
+# ------------------------------------------------------------------------------------------
+# Command line: look at, delete or expire users' logs
+# ------------------------------------------------------------------------------------------
+def main(argv=None) -> int:
+    """python -m backend_src.serving.event_log {show,delete,sweep} --log URL [--session ID] [--ttl-s S]
+
+    delete erases a session's whole log (a data deletion request); servers drop their cached
+    copy of it at the session's next request (its count no longer matches the log's)."""
+    import argparse
+
+    from backend_src.serving.protocol import session_key
+
+    ap = argparse.ArgumentParser(prog="python -m backend_src.serving.event_log", description=main.__doc__.split("\n")[0])
+    ap.add_argument("action", choices=["show", "delete", "sweep"])
+    ap.add_argument("--log", required=True, help="the server's event log: a SQLite path or redis://host:port/db")
+    ap.add_argument("--session", help="session id (digits: an integer id)")
+    ap.add_argument("--ttl-s", type=float, default=None, help="sweep: drop users with no event for this long")
+    ap.add_argument("--events", type=int, default=20, help="show: the most recent events shown")
+    a = ap.parse_args(argv)
+    if a.action != "sweep" and not a.session:
+        ap.error(f"{a.action} needs --session")
+    key = session_key(int(a.session) if a.session and a.session.lstrip("-").isdigit() else a.session)
+    with open_event_log(a.log, ttl_s=a.ttl_s) as log:
+        if a.action == "show":
+            t = log.tail(key, a.events)
+            print(json.dumps({"session": a.session, "events": t.count, "recent": list(zip(t.items, t.actions, t.timestamps))}))
+        elif a.action == "delete":
+            print(json.dumps({"session": a.session, "deleted": log.delete(key)}))
+        else:
+            print(json.dumps({"swept_users": log.sweep()}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

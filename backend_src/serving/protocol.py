@@ -89,6 +89,12 @@ CONTROL_START = "START"
 CONTROL_END = "END"
 CONTROL_READY = "READY"
 
+def session_key(sequence_id) -> str:
+    """The event log's and the session cache's key of a session: integer and string sequence ids
+    never collide ("i:42" vs "s:42")."""
+    return f"i:{sequence_id}" if isinstance(sequence_id, int) else f"s:{sequence_id}"
+
+
 # ------------------------------------------------------------------------------------------
 # Client-facing tensors
 # ------------------------------------------------------------------------------------------

@@ -44,11 +44,6 @@ def _import_path(params) -> None:
         sys.path.insert(0, root)
 
 
-def session_key(correlation_id) -> str:
-    """The log's and cache's key of a session: integer and string sequence ids never collide."""
-    return f"i:{correlation_id}" if isinstance(correlation_id, int) else f"s:{correlation_id}"
-
-
 def event_log_url(params: dict, model_dir: Path) -> str:
     """GENREC_EVENT_LOG (the server's setting) > the config's event_log > a SQLite file beside
     the model repository (nothing to start)."""
@@ -195,7 +190,7 @@ class TritonPythonModel:
         ids = V.decode_strings(raw, P.ITEM_IDS.name)
         # the request's own events: counts, action ids, time order within the request
         V.check_events(len(ids), actions, timestamps, self.limits, start=False, session_last_timestamp=None)
-        return _Request(index, session_key(cid), start, end, offset, ids, actions, timestamps)
+        return _Request(index, P.session_key(cid), start, end, offset, ids, actions, timestamps)
 
     # ---- parsed request + the log's count -> plan ---------------------------------------------
     def _plan(self, req: _Request, logged: int) -> _Plan:
