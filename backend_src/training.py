@@ -4,20 +4,29 @@ loss = sum_t CE(decoder logits at level t, next item's code t)      (generative 
                                                                      codes or the prefix's valid ones)
      + ranker_weight * CE(M-FALCON score of next item vs negatives)  (target-aware ranking)
      + dense_weight  * CE(state @ item embeddings, next item)        (auxiliary: shapes the backbone)
+
+Data parallel (under torchrun, once ``backend_src.distributed.init`` has joined the group): every
+rank builds the same shuffled global batches from the same seeds and trains on its strided share
+of each (``distributed.shard_rows``); the random draws of a step (ranker positions and negatives,
+dense negatives) are made for the whole global batch and sliced, and every mean over the batch is
+taken over the global count, so the ranks' gradients sum to the single process's gradient on the
+global batch. Rank 0 alone evaluates, decides the time budget and writes files.
 """
 from __future__ import annotations
 
+import hashlib
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from backend_src import distributed as dist
 from backend_src.config import ModelConfig, TrainConfig
-from backend_src.data.sequences import length_bucketed, train_batches
+from backend_src.data.sequences import Batch, length_bucketed, train_batches
 from backend_src.model.recommender import GenerativeRecommender
 from backend_src.model.semantic_ids import SemanticIdCodebook
 
@@ -53,41 +62,100 @@ class NegativeSampler:
 @dataclass
 class TrainState:
     step: int = 0
-    epoch: int = 0
-    seconds: float = 0.0
+    epoch: int = 0  # the last epoch run (resuming starts at epoch + 1)
+    seconds: float = 0.0  # training time so far, over every resumed run
     best_metric: float = -1.0
+    # one entry per epoch: {"epoch", "steps", "train_seconds" (the epoch's steps, no validation),
+    # "grad_norm" (mean over the steps, before clipping), the mean loss terms}
+    history: list = field(default_factory=list)
 
 
 def build_model(data, cfg: ModelConfig, embedding_dim: int = 64, seed: int = 0, end_offset: int = 2) -> GenerativeRecommender:
-    """A fresh model whose semantic IDs are fit on each user's events but the last end_offset."""
-    codebook = SemanticIdCodebook.build(data, cfg, dim=embedding_dim, seed=seed, end_offset=end_offset)
+    """A fresh model whose semantic IDs are fit on each user's events but the last end_offset.
+
+    Data parallel: rank 0 builds the semantic IDs and broadcasts them, so every rank trains on the
+    same codes whatever the numerics of each process (the weights are then seeded alike)."""
+    codebook = None
+    if dist.is_main():
+        codebook = SemanticIdCodebook.build(data, cfg, dim=embedding_dim, seed=seed, end_offset=end_offset)
+    if dist.is_distributed():
+        codes = dist.broadcast_object(codebook.codes if codebook is not None else None)
+        codebook = SemanticIdCodebook.from_codes(codes)
     cfg.codebook_sizes = tuple(int(c) for c in codebook.codebook_sizes)
     torch.manual_seed(seed)
     return GenerativeRecommender(cfg, codebook, data.item_ids)
 
 
-def losses(model: GenerativeRecommender, batch, sampler: NegativeSampler, tcfg: TrainConfig, gen: torch.Generator):
-    cache = model.backbone(batch.items, batch.actions, batch.timestamps, batch.lengths)
+def loss_names(tcfg: TrainConfig) -> list[str]:
+    """The terms `losses` returns under `tcfg`, in order."""
+    names = ["retrieval"]
+    if tcfg.ranker_weight > 0:
+        names.append("ranking")
+    if tcfg.extra.get("dense_weight", 1.0) > 0:
+        names.append("dense")
+    return names
+
+
+def take_rows(batch: Batch, rows: torch.Tensor) -> Batch:
+    """Rows `rows` of a training batch, cut to their longest history."""
+    width = max(int(batch.lengths[rows].max()), 1) if len(rows) else 1
+    return Batch(batch.items[rows, :width], batch.actions[rows, :width], batch.timestamps[rows, :width],
+                 batch.lengths[rows], batch.targets[rows, :width], None, batch.users[rows.numpy()])
+
+
+def losses(model: GenerativeRecommender, batch, sampler: NegativeSampler, tcfg: TrainConfig, gen: torch.Generator,
+           rows: torch.Tensor | None = None) -> dict:
+    """The loss terms of a training batch, {name: scalar tensor}.
+
+    rows: the rows of `batch` (the global batch) this process trains on, or None for all of it.
+    The random draws are made for the whole batch in the same order whatever `rows` is (so every
+    rank's generator stays in step), then sliced; each term is this share's sum divided by the
+    whole batch's count, so the shares' terms (and their gradients) sum to the whole batch's.
+    An empty share gives zeros that need no backward pass."""
     targets = batch.targets  # [B, N] next item per position, 0 = none
     valid = targets > 0
-    codes = model.codebook.codes[targets]  # [B, N, 4]
-    logits = model.decoder.training_logits(cache.states, batch.lengths, codes)
-    out = {"retrieval": code_loss(model.codebook, [lt[valid] for lt in logits], codes[valid], tcfg.code_loss)}
-
+    dense_weight = tcfg.extra.get("dense_weight", 1.0)
     if tcfg.ranker_weight > 0:
         # one random position per user: its next item against sampled negatives
         n_valid = valid.sum(1)
         pos = (torch.rand(len(n_valid), generator=gen) * n_valid).long()
         positives = targets.gather(1, pos[:, None]).squeeze(1)
         negatives = sampler.sample(positives, model.cfg.ranker_negatives, gen)
-        out["ranking"] = tcfg.ranker_weight * model.ranker.training_loss(cache, pos, positives, negatives)
-
-    dense_weight = tcfg.extra.get("dense_weight", 1.0)
+    dense_negatives = None
     if dense_weight > 0:
         n_neg = tcfg.extra.get("dense_negatives", 0)
-        negatives = torch.randint(1, model.cfg.num_items + 1, (n_neg,), generator=gen) if n_neg > 0 else None
-        out["dense"] = dense_weight * dense_loss(model, cache.states[valid], targets[valid], negatives)
-    return out
+        dense_negatives = torch.randint(1, model.cfg.num_items + 1, (n_neg,), generator=gen) if n_neg > 0 else None
+
+    share = {}
+    if rows is not None:
+        if len(rows) == 0:
+            return {k: torch.zeros(()) for k in loss_names(tcfg)}
+        # means over the global batch: each share divides its sum by the global count
+        n_pos = int(valid.sum())
+        share["retrieval"] = share["dense"] = int(valid[rows].sum()) / max(n_pos, 1)
+        if tcfg.ranker_weight > 0:
+            ranked = (positives > 0) & (pos < batch.lengths)  # the rows the ranker loss averages over
+            n_ranked = int(ranked.sum())
+            share["ranking"] = int(ranked[rows].sum()) / n_ranked if n_ranked else 0.0
+            pos, positives, negatives = pos[rows], positives[rows], negatives[rows]
+        batch = take_rows(batch, rows)
+
+    device = model.backbone.item_embedding.weight.device
+    batch = batch.to(device)
+    if dense_negatives is not None:
+        dense_negatives = dense_negatives.to(device)
+    cache = model.backbone(batch.items, batch.actions, batch.timestamps, batch.lengths)
+    targets = batch.targets
+    valid = targets > 0
+    codes = model.codebook.codes[targets]  # [B, N, 4]
+    logits = model.decoder.training_logits(cache.states, batch.lengths, codes)
+    out = {"retrieval": code_loss(model.codebook, [lt[valid] for lt in logits], codes[valid], tcfg.code_loss)}
+    if tcfg.ranker_weight > 0:
+        out["ranking"] = tcfg.ranker_weight * model.ranker.training_loss(
+            cache, pos.to(device), positives.to(device), negatives.to(device))
+    if dense_weight > 0:
+        out["dense"] = dense_weight * dense_loss(model, cache.states[valid], targets[valid], dense_negatives)
+    return {k: v * share[k] for k, v in out.items()} if share else out
 
 
 def code_loss(codebook: SemanticIdCodebook, logits: list, codes: torch.Tensor, over: str = "all") -> torch.Tensor:
@@ -129,27 +197,137 @@ def lr_scale(tcfg: TrainConfig, progress: float) -> float:
     return lo + (1.0 - lo) * 0.5 * (1.0 + math.cos(math.pi * min(max(progress, 0.0), 1.0)))
 
 
+def all_reduce_step(params: list, parts: dict, extras: list[float]) -> tuple[dict, list[float]]:
+    """Sum the gradients of `params`, the loss values `parts` ({name: float}) and `extras` over the
+    ranks, in one all-reduce; returns the summed (parts, extras) and leaves the summed gradients
+    in the params.
+
+    Explicit rather than DistributedDataParallel: the training loss goes through several methods
+    of the model (backbone, decoder.training_logits, ranker.training_loss, dense head), not one
+    forward() that DDP could wrap; which parameters get a gradient depends on the loss weights;
+    and a rank whose share of a short last batch is empty has no forward pass to run at all,
+    where DDP would wait for its gradients. The losses are already scaled to the global batch,
+    so the gradients are summed, not averaged. A parameter that no rank gave a gradient keeps
+    None, as in one process (AdamW then leaves it alone, weight decay included)."""
+    device = params[0].device
+    grads = [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), device=device) for p in params]
+    flags = torch.tensor([p.grad is not None for p in params], dtype=torch.float32, device=device)
+    scalars = torch.tensor(list(parts.values()) + list(extras), dtype=torch.float32, device=device)
+    flat = dist.all_reduce_sum_(torch.cat(grads + [flags, scalars]))
+    offset = 0
+    for p in params:
+        n = p.numel()
+        p.grad = flat[offset:offset + n].view_as(p)
+        offset += n
+    has_grad = flat[offset:offset + len(params)] > 0
+    for p, keep in zip(params, has_grad.tolist()):
+        if not keep:
+            p.grad = None
+    offset += len(params)
+    summed = flat[offset:].tolist()
+    return dict(zip(parts, summed[: len(parts)])), summed[len(parts):]
+
+
+def _fingerprint(data, model: GenerativeRecommender) -> str:
+    """A digest of the training events and the semantic IDs: equal on every rank or the ranks
+    would train on different data."""
+    h = hashlib.sha256()
+    for a in (data.offsets, data.items, data.actions, data.timestamps, model.codebook.codes.cpu().numpy()):
+        h.update(np.ascontiguousarray(a).tobytes())
+    return h.hexdigest()
+
+
+def _save_train_state(path, model, opt, state: TrainState, tcfg: TrainConfig, gen, rng) -> None:
+    """Rank 0 writes a checkpoint (loadable by GenerativeRecommender.load) whose metadata holds
+    what resuming needs: optimizer, counters, every rank's RNG state. Every rank must call it
+    (the ranks' RNG states are gathered)."""
+    device = next(model.parameters()).device
+    own = {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
+    per_rank = dist.gather_objects(own)
+    if not dist.is_main():
+        return
+    model.save(path, {"train_state": {
+        "optimizer": opt.state_dict(),
+        "step": state.step, "epoch": state.epoch, "seconds": state.seconds, "best_metric": state.best_metric,
+        "history": state.history, "train_config": dict(vars(tcfg)),
+        "rng": {"generator": gen.get_state(), "numpy": rng.bit_generator.state, "torch": per_rank},
+    }})
+
+
+def _restore_train_state(path, model, opt, gen, rng, log) -> TrainState:
+    blob = torch.load(path, map_location="cpu", weights_only=False)
+    ts = blob["metadata"]["train_state"]
+    model.load_state_dict(blob["state_dict"])
+    opt.load_state_dict(ts["optimizer"])
+    gen.set_state(ts["rng"]["generator"])
+    rng.bit_generator.state = ts["rng"]["numpy"]
+    per_rank = ts["rng"]["torch"]
+    if len(per_rank) == dist.world_size():
+        own = per_rank[dist.rank()]
+        torch.set_rng_state(own["cpu"])
+        device = next(model.parameters()).device
+        if own["cuda"] is not None and device.type == "cuda":
+            torch.cuda.set_rng_state(own["cuda"], device)
+    elif dist.is_main():
+        # the data order and the sampled negatives still resume exactly; only the dropout masks differ
+        log(f"state saved by {len(per_rank)} process(es), resumed on {dist.world_size()}: "
+            "the dropout masks do not continue the saved RNG streams")
+    return TrainState(step=ts["step"], epoch=ts["epoch"], seconds=ts["seconds"], best_metric=ts["best_metric"],
+                      history=list(ts["history"]))
+
+
 def train(
     model: GenerativeRecommender,
     data,
     tcfg: TrainConfig,
     minutes: float | None = None,
-    evaluate_fn=None,  # callable(model) -> float (higher is better), run after each epoch
+    evaluate_fn=None,  # callable(model) -> float (higher is better), run after each epoch (rank 0)
     checkpoint_path=None,
     log=print,
+    state_path=None,  # written after every epoch: the checkpoint to resume from
+    resume_from=None,  # a state_path of an earlier run: continue after its last epoch
 ) -> TrainState:
+    """Train `model` in place; the best epoch (by evaluate_fn; without one, the last) goes to
+    checkpoint_path.
+
+    resume_from restores the weights, the optimizer, the step/epoch counters, the time spent (the
+    time budget and a time-based learning-rate schedule go on from there), the best validation
+    metric and the RNG states, so an interrupted run continues as if it had not stopped.
+    Under torchrun (after distributed.init()) every rank calls this; rank 0 alone evaluates, logs
+    and writes files, and its decisions (time budget, metric) are broadcast."""
+    world, main = dist.world_size(), dist.is_main()
+    if not main:
+        log = lambda *a, **k: None  # noqa: E731
+    params = list(model.parameters())
     gen = torch.Generator().manual_seed(tcfg.seed)
     rng = np.random.default_rng(tcfg.seed)
-    sampler = NegativeSampler(model.codebook.codes, model.cfg.num_items, model.cfg.ranker_hard_fraction)
-    opt = torch.optim.AdamW(model.parameters(), lr=tcfg.lr, weight_decay=tcfg.weight_decay, betas=(0.9, 0.98))
+    codes = model.codebook.codes.cpu()  # negatives are drawn on the CPU: the same draws on any device
+    sampler = NegativeSampler(codes, model.cfg.num_items, model.cfg.ranker_hard_fraction)
+    opt = torch.optim.AdamW(params, lr=tcfg.lr, weight_decay=tcfg.weight_decay, betas=(0.9, 0.98))
+    if world > 1:
+        fingerprints = dist.gather_objects(_fingerprint(data, model))
+        if not dist.broadcast_object(main and len(set(fingerprints)) == 1):  # every rank stops, none hangs
+            raise RuntimeError("the ranks loaded different training data or semantic IDs")
+        for p in params:  # built alike from the same seed; rank 0's weights make sure of it
+            dist.broadcast_(p.data)
+        minutes = dist.broadcast_object(minutes)
+        # a dropout stream of its own per rank (one process keeps the global stream as it is)
+        torch.manual_seed(tcfg.seed * 1000 + dist.rank() + 1)
     state = TrainState()
-    start = time.time()
+    first_epoch = 0
+    if resume_from is not None:
+        state = _restore_train_state(resume_from, model, opt, gen, rng, log)
+        first_epoch = state.epoch + 1
+        log(f"resumed from {resume_from}: epoch {state.epoch} done, step {state.step}")
+    start = time.time() - state.seconds
     deadline = start + 60 * minutes if minutes else math.inf
-    for epoch in range(tcfg.epochs):
+    names = loss_names(tcfg)
+    for epoch in range(first_epoch, tcfg.epochs):
         model.train()
         state.epoch = epoch
-        sums: dict = {}
-        n = 0
+        sums = dict.fromkeys(names, 0.0)
+        n, grad_norm = 0, 0.0
+        epoch_start = time.time()
         # large shuffled batches re-split by length: short histories don't pay for long ones' padding
         chunk = train_batches(
             data, tcfg.batch_size * 16, model.cfg.max_seq_len, rng,
@@ -160,40 +338,59 @@ def train(
             desc=f"epoch {epoch}",
             leave=False,
             mininterval=2.0,
+            disable=not main,
         )
         for batch in bar:
-            # progress: the larger of the time and epoch fractions (whichever ends the run first)
-            progress = max((time.time() - start) / (60 * minutes) if minutes else 0.0, epoch / tcfg.epochs)
-            for group in opt.param_groups:
-                group["lr"] = tcfg.lr * lr_scale(tcfg, progress)
-            parts = losses(model, batch, sampler, tcfg, gen)
+            elapsed = time.time() - start
+            rows = dist.shard_rows(len(batch)) if world > 1 else None
+            parts = losses(model, batch, sampler, tcfg, gen, rows)
             loss = sum(parts.values())
             opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            if loss.requires_grad:
+                loss.backward()
+            parts = {k: float(v.detach()) for k, v in parts.items()}
+            over = time.time() > deadline
+            if world > 1:
+                # rank 0's clock decides for everyone: its elapsed time (learning rate) and its deadline
+                parts, (elapsed, over) = all_reduce_step(params, parts, [elapsed if main else 0.0,
+                                                                         float(main and over)])
+                over = over > 0
+            # progress: the larger of the time and epoch fractions (whichever ends the run first)
+            progress = max(elapsed / (60 * minutes) if minutes else 0.0, epoch / tcfg.epochs)
+            for group in opt.param_groups:
+                group["lr"] = tcfg.lr * lr_scale(tcfg, progress)
+            # clipped by the norm of the summed gradient: the same on every rank
+            grad_norm += float(torch.nn.utils.clip_grad_norm_(params, 1.0))
             opt.step()
             state.step += 1
             n += 1
             for k, v in parts.items():
-                sums[k] = sums.get(k, 0.0) + float(v.detach())
+                sums[k] += v
             if state.step % 20 == 0:
                 bar.set_postfix({k: f"{v / n:.3f}" for k, v in sums.items()})
-            if time.time() > deadline:
+            if over:
                 break
+        epoch_seconds = time.time() - epoch_start
         state.seconds = time.time() - start
+        state.history.append({"epoch": epoch, "steps": n, "train_seconds": round(epoch_seconds, 3),
+                              "grad_norm": grad_norm / max(n, 1), **{k: v / max(n, 1) for k, v in sums.items()}})
         msg = " ".join(f"{k}={v / max(n, 1):.4f}" for k, v in sums.items())
         metric = None
         if evaluate_fn is not None:
-            model.eval()
-            metric = evaluate_fn(model)
+            if main:
+                model.eval()
+                metric = evaluate_fn(model)
+            metric = dist.broadcast_object(metric)
             if metric > state.best_metric:
                 state.best_metric = metric
-                if checkpoint_path:
+                if checkpoint_path and main:
                     model.save(checkpoint_path, {"epoch": epoch, "valid_metric": metric, "train_seconds": state.seconds})
-        elif checkpoint_path:
+        elif checkpoint_path and main:
             model.save(checkpoint_path, {"epoch": epoch, "train_seconds": state.seconds})
+        if state_path:
+            _save_train_state(state_path, model, opt, state, tcfg, gen, rng)
         log(f"epoch {epoch} [{state.seconds / 60:.1f} min] {msg}" + (f" valid={metric:.4f}" if metric is not None else ""))
-        if time.time() > deadline:
+        if dist.broadcast_object(time.time() > deadline):
             log(f"time budget of {minutes} min reached")
             break
     return state

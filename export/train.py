@@ -10,15 +10,33 @@ split over the full catalog and writes a result file.
 on validation. Every event but each user's test target is trained on (the validation targets too,
 as the HSTU public code trains); there is no validation left, so the run keeps its last epoch and
 takes W from the validation run.
+
+Data-parallel training on several processes (gloo on CPUs, NCCL with --device cuda, one GPU
+per process):
+
+    torchrun --standalone --nproc_per_node 2 -m export.train --data ml-100k --out runs/ml100k/model.pt
+
+(`python -m torch.distributed.run` is the same launcher.) --batch-size stays the global batch:
+each process trains on its share of every batch and the gradients are summed over the processes,
+so a step equals the single-process step on the same batch. Rank 0 alone builds the semantic IDs
+(sent to the others), validates, decides the time budget, writes the checkpoint and evaluates
+at the end. Run as one plain process, nothing of this happens.
+
+After every epoch the training state (weights, optimizer, counters, RNG states) goes to
+<out>.state.pt (model.pt -> model.state.pt); --resume runs/x/model.state.pt continues an
+interrupted run after its last finished epoch, with the same flags (a larger --epochs or
+--minutes extends a finished one). The model's configuration comes from the state file.
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 from pathlib import Path
 
 import numpy as np
 
+from backend_src import distributed
 from backend_src.config import DecodeOptions, ModelConfig, TrainConfig
 from backend_src.data.loaders import load_dataset
 from backend_src.evaluation import evaluate
@@ -75,6 +93,10 @@ def parse_args(argv=None):
     p.add_argument("--beam", type=int, default=100)
     p.add_argument("--results", default=None, help="result JSON (default: next to the checkpoint)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="train on the CPU or a GPU (under torchrun: one GPU per process, NCCL)")
+    p.add_argument("--resume", default=None, metavar="STATE",
+                   help="continue the run whose training state is this file (<out>.state.pt of that run)")
     p.add_argument("--refit", action="store_true",
                    help="train on validation targets too (only the test target held out); keep the last epoch")
     p.add_argument("--fusion-weight", type=fusion_weights, default=None, metavar="W|CHECKPOINT",
@@ -86,25 +108,25 @@ def parse_args(argv=None):
     return args
 
 
+def state_path(out) -> Path:
+    """Where a run keeps its training state for --resume: model.pt -> model.state.pt."""
+    return Path(out).with_suffix(".state.pt")
+
+
 def main(argv=None):
     args = parse_args(argv)
+    device = distributed.init(args.device)  # joins torchrun's process group, if launched by it
+    try:
+        run(args, device)
+    finally:
+        distributed.destroy()
+
+
+def run(args, device):
+    main_rank = distributed.is_main()
+    say = print if main_rank else (lambda *a, **k: None)
     data = load_dataset(args.data, max_users=args.max_users)
     preset = PRESETS.get(Path(args.data.split(":")[0]).name, PRESETS["amazon-beauty"])
-    cfg = ModelConfig(
-        num_items=data.num_items,
-        d_model=args.d_model or preset["d_model"],
-        num_layers=args.layers or preset["num_layers"],
-        num_heads=args.heads or preset["num_heads"],
-        max_seq_len=args.max_len or preset["max_seq_len"],
-        dropout=args.dropout,
-        codebook_sizes=tuple(args.codebook or preset["codebook"]) + (1,),
-        shared_kv_projection=args.shared_kv,
-        ranker_negatives=args.ranker_negatives,
-        ranker_hard_fraction=args.ranker_hard_fraction,
-        dense_temperature=args.dense_temperature,
-    )
-    if args.fusion_weight is not None:
-        cfg.rank_fusion_weight, cfg.rank_fusion_weight_seen_excluded = args.fusion_weight
     tcfg = TrainConfig(
         epochs=args.epochs or preset["epochs"],
         batch_size=args.batch_size,
@@ -118,23 +140,54 @@ def main(argv=None):
         seed=args.seed,
         extra={"dense_weight": args.dense_weight, "dense_negatives": args.dense_negatives},
     )
-    print(f"{data.name}: {data.num_users} users, {data.num_items} items, {len(data.items)} events")
-    model = build_model(data, cfg, seed=args.seed, end_offset=tcfg.end_offset)
-    print(f"semantic IDs: codebook sizes {cfg.codebook_sizes}")
-    print(f"parameters: {sum(p.numel() for p in model.parameters()):,}")
+    say(f"{data.name}: {data.num_users} users, {data.num_items} items, {len(data.items)} events")
+    if args.resume:
+        # the resumed run's model: configuration, semantic IDs and weights come from its state
+        model = GenerativeRecommender.load(args.resume)
+        cfg = model.cfg
+        say(f"resuming {args.resume}: model configuration from the state file")
+    else:
+        cfg = ModelConfig(
+            num_items=data.num_items,
+            d_model=args.d_model or preset["d_model"],
+            num_layers=args.layers or preset["num_layers"],
+            num_heads=args.heads or preset["num_heads"],
+            max_seq_len=args.max_len or preset["max_seq_len"],
+            dropout=args.dropout,
+            codebook_sizes=tuple(args.codebook or preset["codebook"]) + (1,),
+            shared_kv_projection=args.shared_kv,
+            ranker_negatives=args.ranker_negatives,
+            ranker_hard_fraction=args.ranker_hard_fraction,
+            dense_temperature=args.dense_temperature,
+        )
+        model = build_model(data, cfg, seed=args.seed, end_offset=tcfg.end_offset)
+    if args.fusion_weight is not None:
+        cfg.rank_fusion_weight, cfg.rank_fusion_weight_seen_excluded = args.fusion_weight
+    say(f"semantic IDs: codebook sizes {cfg.codebook_sizes}")
+    say(f"parameters: {sum(p.numel() for p in model.parameters()):,}")
+    if distributed.is_distributed():
+        say(f"data parallel: {distributed.world_size()} processes, {distributed.backend_for(device)}, "
+            f"global batch {tcfg.batch_size}")
+    model.to(device)
     valid_opts = DecodeOptions(mode="full", beam_width=min(args.beam, 50))
 
     # a fixed random sample: the first users of a file are often not typical (Beauty's are harder)
     valid_users = np.sort(np.random.default_rng(args.seed).permutation(data.num_users)[: args.valid_users])
 
-    def valid_metric(m):
+    def valid_metric(m):  # called on rank 0 only
+        if device.type != "cpu":  # the evaluation runs on the CPU
+            m = copy.deepcopy(m).cpu()
         r = evaluate(m, data, "valid", valid_opts, users=valid_users, progress=False)
         summary = {k: round(v["ndcg@10"], 4) for k, v in r.items() if k.endswith("seen_included")}
         print("  valid ndcg@10:", json.dumps(summary))
         return max(r["retrieval/seen_included"]["ndcg@10"], r["ranked/seen_included"]["ndcg@10"])
 
+    world = distributed.world_size()
     state = train(model, data, tcfg, minutes=args.minutes, evaluate_fn=None if args.refit else valid_metric,
-                  checkpoint_path=args.out)
+                  checkpoint_path=args.out, state_path=state_path(args.out), resume_from=args.resume, log=say)
+    distributed.destroy()  # what follows is rank 0's alone
+    if not main_rank:
+        return
     best = GenerativeRecommender.load(args.out)
     test_opts = DecodeOptions(mode="pfa", beam_width=args.beam)
     if args.ranker_weight > 0 and args.fusion_weight is None:
@@ -144,7 +197,8 @@ def main(argv=None):
     out = Path(args.results or Path(args.out).with_suffix(".results.json"))
     write_result(
         out, rows, config=cfg.to_dict(), train=vars(tcfg), train_seconds=state.seconds, epochs_run=state.epoch + 1,
-        best_valid=state.best_metric, timing=test["timing"],
+        best_valid=state.best_metric, timing=test["timing"], processes=world, train_history=state.history,
+        resumed_from=args.resume,
     )
     for r in rows:
         print(f"{r['model']:>18} seen_excluded={r['seen_excluded']!s:5} "
