@@ -2,6 +2,7 @@
 
     python -m export.publish publish --checkpoint ckpt.pt --repository model_repository [--server localhost:8001]
     python -m export.publish rollback --repository model_repository [--server localhost:8001]
+    (reloading needs the server's admin key: GENREC_ADMIN_KEY, or --admin-key-file, default runs/admin.key)
     python -m export.publish list --repository model_repository
 
 publish: each Python model's next version directory (model.py, model.pt = the checkpoint, the
@@ -40,6 +41,8 @@ from export.triton_configs import (
 RETIRED = ".retired"
 ENSEMBLE_VERSION = 1  # the ensemble has no weights: one version that always follows the latest steps
 MODEL_SOURCES = CODE_ROOT / "model_repository"  # where each model's model.py lives
+SERVER_HELP = "gRPC address of a running server to reload, e.g. localhost:8001 (several: comma-separated)"
+ADMIN_KEY_HELP = "file with the server's admin key (default: GENREC_ADMIN_KEY, else runs/admin.key)"
 
 
 def versions(model_dir: Path) -> list:
@@ -82,12 +85,15 @@ def publish(
     ranker_plan=None,
     model_sources: Path = MODEL_SOURCES,
     export_ranker: bool = True,
+    admin_key: str | None = None,
 ) -> dict:
     """Add the next version of every Python model; returns {model: version}.
 
     Unless given ready-made files (or export_ranker is False), the ranker is exported to ONNX
     from the checkpoint, and built into a TensorRT plan where TensorRT is importable."""
     checkpoint, repository = Path(checkpoint), Path(repository)
+    if server:
+        check_server_access(server, admin_key)  # before anything changes
     repository.mkdir(parents=True, exist_ok=True)
     cfg = config_from_checkpoint(checkpoint)
     options = options or ServingOptions()
@@ -127,7 +133,7 @@ def publish(
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     if server:
-        reload_models(server, done)
+        reload_models(server, done, admin_key=admin_key)
     return done
 
 
@@ -143,9 +149,11 @@ def _export_ranker(checkpoint: Path, vdir: Path) -> None:
         build_tensorrt_plan(vdir / "ranker.onnx", vdir / "ranker.plan", default_profiles(model.cfg))
 
 
-def rollback(repository, server: str | None = None) -> dict:
+def rollback(repository, server: str | None = None, admin_key: str | None = None) -> dict:
     """Retire the newest version of every Python model; returns {model: (retired, now serving)}."""
     repository = Path(repository)
+    if server:
+        check_server_access(server, admin_key)  # before anything moves
     plan = {}
     for model in P.PYTHON_MODELS:
         vs = versions(repository / model)
@@ -160,29 +168,59 @@ def rollback(repository, server: str | None = None) -> dict:
             shutil.rmtree(target)
         os.rename(repository / model / str(v), target)
     if server:
-        reload_models(server, {m: new for m, (_, new) in plan.items()})
+        reload_models(server, {m: new for m, (_, new) in plan.items()}, admin_key=admin_key)
     return plan
 
 
-def reload_models(server: str, expected: dict | None = None, timeout_s: float = 300.0) -> None:
-    """Reload through the ensemble: one load_model of the ensemble reloads every stage whose
-    repository changed, in parallel, and the server swaps versions while serving. A stage not
-    at its `expected` version afterwards is loaded on its own."""
+def _servers(server) -> list:
+    return [server] if isinstance(server, str) else list(server)
+
+
+def _admin_headers(admin_key: str | None):
+    from backend_src.serving.server import admin_headers, read_admin_key
+
+    return admin_headers(admin_key or read_admin_key())
+
+
+def check_server_access(server, admin_key: str | None = None) -> None:
+    """Raise (InferenceServerException) unless every server accepts model control with this
+    key: a repository index request needs the same key as load_model."""
     import tritonclient.grpc as grpcclient
 
-    client = grpcclient.InferenceServerClient(server)
-    try:
-        client.load_model(P.ENSEMBLE, client_timeout=timeout_s)
-        for model in P.PYTHON_MODELS:
-            want = [str(expected[model])] if expected else None
-            if want and client.get_model_metadata(model).versions != want:
-                client.load_model(model, client_timeout=timeout_s)
-            if not client.is_model_ready(model) or (want and client.get_model_metadata(model).versions != want):
-                raise RuntimeError(f"{model}: version {want} is not serving after load_model")
-        if not client.is_model_ready(P.ENSEMBLE):
-            raise RuntimeError(f"{P.ENSEMBLE} is not ready after load_model")
-    finally:
-        client.close()
+    headers = _admin_headers(admin_key)
+    for url in _servers(server):
+        client = grpcclient.InferenceServerClient(url)
+        try:
+            client.get_model_repository_index(headers=headers, client_timeout=30)
+        finally:
+            client.close()
+
+
+def reload_models(
+    server, expected: dict | None = None, timeout_s: float = 300.0, admin_key: str | None = None
+) -> None:
+    """Reload through the ensemble: one load_model of the ensemble reloads every stage whose
+    repository changed, in parallel, and the server swaps versions while serving. A stage not
+    at its `expected` version afterwards is loaded on its own. `server`: a gRPC address, or a
+    list of them (replicas of one repository, reloaded one after another). `admin_key`: the
+    servers' key for model loading (None: GENREC_ADMIN_KEY, else runs/admin.key if there is one)."""
+    import tritonclient.grpc as grpcclient
+
+    headers = _admin_headers(admin_key)
+    for url in _servers(server):
+        client = grpcclient.InferenceServerClient(url)
+        try:
+            client.load_model(P.ENSEMBLE, headers=headers, client_timeout=timeout_s)
+            for model in P.PYTHON_MODELS:
+                want = [str(expected[model])] if expected else None
+                if want and client.get_model_metadata(model).versions != want:
+                    client.load_model(model, headers=headers, client_timeout=timeout_s)
+                if not client.is_model_ready(model) or (want and client.get_model_metadata(model).versions != want):
+                    raise RuntimeError(f"{url}: {model}: version {want} is not serving after load_model")
+            if not client.is_model_ready(P.ENSEMBLE):
+                raise RuntimeError(f"{url}: {P.ENSEMBLE} is not ready after load_model")
+        finally:
+            client.close()
 
 
 def describe(repository) -> dict:
@@ -200,27 +238,48 @@ def main(argv=None) -> int:
     p = sub.add_parser("publish", help="add the next version of every model")
     p.add_argument("--checkpoint", required=True)
     p.add_argument("--repository", default="model_repository")
-    p.add_argument("--server", default=None, help="gRPC address of a running server to reload, e.g. localhost:8001")
+    p.add_argument("--server", default=None, help=SERVER_HELP)
     p.add_argument("--ranker-onnx", default=None, help="ONNX export of the ranker, placed in the ranker's version")
     p.add_argument("--ranker-plan", default=None, help="TensorRT plan of the ranker, placed in the ranker's version")
     p.add_argument("--no-ranker-export", action="store_true", help="serve the ranker in torch (no ONNX/TensorRT export)")
+    p.add_argument("--admin-key-file", default=None, help=ADMIN_KEY_HELP)
     add_serving_arguments(p)
     r = sub.add_parser("rollback", help="retire the newest version of every model")
     r.add_argument("--repository", default="model_repository")
-    r.add_argument("--server", default=None)
+    r.add_argument("--server", default=None, help=SERVER_HELP)
+    r.add_argument("--admin-key-file", default=None, help=ADMIN_KEY_HELP)
     ls = sub.add_parser("list", help="show versions")
     ls.add_argument("--repository", default="model_repository")
     a = ap.parse_args(argv)
+    if getattr(a, "server", None) and "," in a.server:
+        a.server = [u.strip() for u in a.server.split(",") if u.strip()]
+    admin_key = None
+    if a.action in ("publish", "rollback") and a.server:
+        from backend_src.serving.server import read_admin_key
+
+        admin_key = read_admin_key(a.admin_key_file)
+        if a.admin_key_file and admin_key is None:
+            print(f"no admin key in {a.admin_key_file}", file=sys.stderr)
+            return 1
+
+    from tritonclient.utils import InferenceServerException
 
     if a.action == "publish":
-        done = publish(a.checkpoint, a.repository, serving_options_from_args(a), a.server, a.ranker_onnx, a.ranker_plan,
-                       export_ranker=not a.no_ranker_export)
+        try:
+            done = publish(a.checkpoint, a.repository, serving_options_from_args(a), a.server, a.ranker_onnx,
+                           a.ranker_plan, export_ranker=not a.no_ranker_export, admin_key=admin_key)
+        except InferenceServerException as e:
+            print(f"{a.server}: {e.message()}", file=sys.stderr)
+            return 1
         print("published " + ", ".join(f"{m} v{v}" for m, v in done.items()) + (f"; reloaded on {a.server}" if a.server else ""))
     elif a.action == "rollback":
         try:
-            plan = rollback(a.repository, a.server)
+            plan = rollback(a.repository, a.server, admin_key=admin_key)
         except RuntimeError as e:
             print(str(e), file=sys.stderr)
+            return 1
+        except InferenceServerException as e:
+            print(f"{a.server}: {e.message()}", file=sys.stderr)
             return 1
         print("rolled back " + ", ".join(f"{m} v{old} -> v{new}" for m, (old, new) in plan.items()))
     else:

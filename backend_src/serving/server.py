@@ -10,12 +10,22 @@ packages (torch, numpy).
     python -m backend_src.serving.server status
     python -m backend_src.serving.server stop
     python -m backend_src.serving.server heal     # reload models whose stub process died
+
+``start`` binds gRPC, HTTP and metrics to 127.0.0.1 (``--address`` to change), leaves
+inference, health, metadata, model config and statistics open, and asks for the admin key
+on model loading/unloading, shared memory, trace and logging. The key comes from
+GENREC_ADMIN_KEY or a key file (default ``admin.key`` beside the pid file, created with mode
+0600 at the first start). ``start`` also runs the stub watchdog (``serving/watchdog.py``) as a
+process of its own: it reloads a model whose Python stub died and serves ``GET /ready`` and
+``GET /live`` on ``--ready-port``. ``stop`` stops the watchdog, then the server.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
+import secrets
 import shutil
 import signal
 import socket
@@ -28,6 +38,23 @@ from pathlib import Path
 
 DEFAULT_PID_FILE = Path("runs") / "tritonserver.pid"
 DEFAULT_LOG_FILE = Path("runs") / "tritonserver.log"
+DEFAULT_ADMIN_KEY_FILE = DEFAULT_PID_FILE.parent / "admin.key"
+DEFAULT_ADDRESS = "127.0.0.1"
+DEFAULT_READY_PORT = 8003
+# Seconds tritonserver waits at shutdown, for in-flight work and then for its models to unload
+# (one budget; unloading the three stages took ~2.5 s here). An open sequence (a user session)
+# counts as in flight until it ends, so with sessions open the server always waits the whole
+# timeout and the models do not unload gracefully; sessions do not depend on that.
+DEFAULT_EXIT_TIMEOUT_S = 5
+
+ADMIN_KEY_ENV = "GENREC_ADMIN_KEY"
+EVENT_LOG_ENV = "GENREC_EVENT_LOG"
+ADMIN_HEADER = "genrec-admin-key"
+# Triton checks a restricted gRPC protocol's header under this prefix (an HTTP API's header as
+# it is named); the server says so when it refuses a call.
+GRPC_ADMIN_HEADER = "triton-grpc-protocol-" + ADMIN_HEADER
+RESTRICTED_APIS = ("model-repository", "shared-memory", "trace", "logging")
+_KEY_CHARS = re.compile(r"^[A-Za-z0-9._~-]{16,256}$")  # safe inside a flag and a header
 
 # Process settings for CPU inference, read by the Python stubs at start: idle OpenMP threads
 # sleep instead of spinning (on a shared host a spinning thread takes its busy sibling's core),
@@ -39,6 +66,15 @@ CPU_RUNTIME_ENV = {
     "MALLOC_TRIM_THRESHOLD_": str(4 << 30),
     "MALLOC_TOP_PAD_": str(256 << 20),
 }
+
+# Runs tritonserver with SIGCHLD ignored (an ignored signal stays ignored across exec), so the
+# kernel reaps its children itself. Without it a stub that dies while a request is in it stays a
+# zombie until the server stops: the server keeps the dead instance around and never waits for
+# it, even after the model is reloaded. Side effect: the stubs inherit it too, so model code
+# that starts subprocesses gets exit status 0 from them.
+_EXEC_REAPING_CHILDREN = (
+    "import os, signal, sys; signal.signal(signal.SIGCHLD, signal.SIG_IGN); os.execv(sys.argv[1], sys.argv[1:])"
+)
 
 
 def triton_home() -> Path:
@@ -76,8 +112,64 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# --------------------------------------------------------------------------------------------
+# Admin key
+# --------------------------------------------------------------------------------------------
+def _check_key(key: str, where: str) -> str:
+    key = key.strip()
+    if not _KEY_CHARS.match(key):
+        raise ValueError(f"admin key from {where}: 16-256 characters of A-Z a-z 0-9 . _ ~ - expected")
+    return key
+
+
+def read_admin_key(path=None) -> str | None:
+    """The admin key from the file `path` when one is named; else from GENREC_ADMIN_KEY, else
+    from runs/admin.key. None when there is none."""
+    if path is None and os.environ.get(ADMIN_KEY_ENV):
+        return _check_key(os.environ[ADMIN_KEY_ENV], ADMIN_KEY_ENV)
+    path = Path(path) if path else DEFAULT_ADMIN_KEY_FILE
+    try:
+        return _check_key(path.read_text(), str(path))
+    except FileNotFoundError:
+        return None
+
+
+def ensure_admin_key(path) -> str:
+    """The key in the file `path`, creating it (mode 0600) with a random key when it is absent."""
+    key = read_admin_key(path)
+    if key:
+        return key
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    key = secrets.token_urlsafe(32)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:  # another start won the race: use its key
+        return read_admin_key(path)
+    with os.fdopen(fd, "w") as f:
+        os.fchmod(f.fileno(), 0o600)
+        f.write(key + "\n")
+    return key
+
+
+def admin_headers(key: str | None, protocol: str = "grpc") -> dict | None:
+    """Request headers that carry the admin key, for tritonclient's `headers=`."""
+    if not key:
+        return None
+    return {GRPC_ADMIN_HEADER if protocol == "grpc" else ADMIN_HEADER: key}
+
+
+# --------------------------------------------------------------------------------------------
+# The server
+# --------------------------------------------------------------------------------------------
 class TritonServer:
-    """One tritonserver process. Use as a context manager, or call start()/stop()."""
+    """One tritonserver process (and, with `watchdog=True`, its stub watchdog process).
+    Use as a context manager, or call start()/stop().
+
+    `admin_key`: None leaves every API open (for tests and tools that own the server); with a
+    key, model repository, shared memory, trace and logging calls need it (the CLI always sets
+    one). `address`: where gRPC, HTTP and metrics listen. `reap_children`: run the server so
+    that dead stub processes do not stay zombies."""
 
     def __init__(
         self,
@@ -90,7 +182,15 @@ class TritonServer:
         control_mode: str = "explicit",
         extra_args: tuple = (),
         log_verbose: int = 0,
-        exit_timeout_s: int = 30,
+        exit_timeout_s: int = DEFAULT_EXIT_TIMEOUT_S,
+        address: str = DEFAULT_ADDRESS,
+        admin_key: str | None = None,
+        watchdog: bool = False,
+        ready_port: int | None = None,
+        event_log: str | None = None,
+        reap_children: bool = True,
+        watchdog_interval_s: float = 0.5,
+        watchdog_probe_interval_s: float = 30.0,
     ):
         self.model_repository = Path(model_repository).resolve()
         self.grpc_port, self.http_port, self.metrics_port = int(grpc_port), int(http_port), int(metrics_port)
@@ -99,9 +199,19 @@ class TritonServer:
         self.control_mode = control_mode
         self.extra_args = tuple(extra_args)
         self.log_verbose = log_verbose
-        self.exit_timeout_s = exit_timeout_s
+        self.exit_timeout_s = int(exit_timeout_s)
+        self.address = address
+        self.admin_key = _check_key(admin_key, "admin_key") if admin_key else None
+        self.watchdog = watchdog
+        self.ready_port = int(ready_port) if ready_port else (free_port() if watchdog else None)
+        self.event_log = event_log
+        self.reap_children = reap_children
+        self.watchdog_interval_s = watchdog_interval_s
+        self.watchdog_probe_interval_s = watchdog_probe_interval_s
         self.process: subprocess.Popen | None = None
         self.pid: int | None = None
+        self.watchdog_process: subprocess.Popen | None = None
+        self.watchdog_pid: int | None = None
 
     # ---- command ------------------------------------------------------------------------
     def command(self) -> list:
@@ -111,6 +221,9 @@ class TritonServer:
             f"--model-repository={self.model_repository}",
             f"--backend-directory={home / 'backends'}",
             f"--cache-directory={home / 'caches'}",
+            f"--grpc-address={self.address}",
+            f"--http-address={self.address}",
+            f"--metrics-address={self.address}",
             f"--grpc-port={self.grpc_port}",
             f"--http-port={self.http_port}",
             f"--metrics-port={self.metrics_port}",
@@ -119,9 +232,20 @@ class TritonServer:
             f"--model-control-mode={self.control_mode}",
             f"--exit-timeout-secs={self.exit_timeout_s}",
         ]
+        if self.admin_key:
+            # Triton takes the key only on its command line (so local users can read it in the
+            # process list); the threat kept out is anyone who can reach the ports.
+            apis = ",".join(RESTRICTED_APIS)
+            cmd += [
+                f"--grpc-restricted-protocol={apis}:{ADMIN_HEADER}={self.admin_key}",
+                f"--http-restricted-api={apis}:{ADMIN_HEADER}={self.admin_key}",
+            ]
         if self.control_mode == "explicit" and self.load_models:
             cmd.append(f"--load-model={self.load_models}")
-        return cmd + list(self.extra_args)
+        cmd += list(self.extra_args)
+        if self.reap_children:
+            cmd = [sys.executable, "-S", "-c", _EXEC_REAPING_CHILDREN] + cmd
+        return cmd
 
     def environment(self) -> dict:
         env = dict(os.environ)
@@ -129,7 +253,27 @@ class TritonServer:
             env.setdefault(key, value)
         venv_bin = str(Path(sys.executable).parent)
         env["PATH"] = venv_bin + os.pathsep + env.get("PATH", "")
+        env.pop(ADMIN_KEY_ENV, None)  # the models have no use for it
+        if self.event_log:
+            env[EVENT_LOG_ENV] = self.event_log
         return env
+
+    def watchdog_command(self) -> list:
+        return [
+            sys.executable, "-m", "backend_src.serving.watchdog",
+            f"--server-pid={self.pid}",
+            f"--grpc-url={self.grpc_url}",
+            f"--http-url={self.http_url}",
+            f"--address={self.address}",
+            f"--ready-port={self.ready_port}",
+            f"--log-file={self.watchdog_log_file}",
+            f"--interval={self.watchdog_interval_s}",
+            f"--probe-interval={self.watchdog_probe_interval_s}",
+        ]
+
+    @property
+    def watchdog_log_file(self) -> Path:
+        return self.log_file.parent / "watchdog.log"
 
     # ---- lifecycle ----------------------------------------------------------------------
     def start(self, timeout_s: float = 120.0) -> "TritonServer":
@@ -139,6 +283,7 @@ class TritonServer:
         try:
             self.process = subprocess.Popen(
                 self.command(),
+                stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=self.environment(),
@@ -146,9 +291,34 @@ class TritonServer:
             )
         finally:
             log.close()
-        self.pid = self.process.pid
+        self.pid = self.process.pid  # the exec keeps the pid: this is tritonserver's
         self.wait_ready(timeout_s)
+        if self.watchdog:
+            self.start_watchdog()
         return self
+
+    def start_watchdog(self, timeout_s: float = 30.0) -> None:
+        """The watchdog runs detached, so it outlives the command that started it."""
+        env = dict(os.environ)
+        root = str(Path(__file__).resolve().parents[2])
+        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        env.pop(ADMIN_KEY_ENV, None)
+        if self.admin_key:  # in its environment, not on its command line
+            env[ADMIN_KEY_ENV] = self.admin_key
+        log = open(self.watchdog_log_file, "ab")
+        try:
+            self.watchdog_process = subprocess.Popen(
+                self.watchdog_command(), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                env=env, cwd=root, start_new_session=True,
+            )
+        finally:
+            log.close()
+        self.watchdog_pid = self.watchdog_process.pid
+        deadline = time.monotonic() + timeout_s
+        while not _http_ok(f"{self.ready_url}/live"):
+            if self.watchdog_process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the stub watchdog did not start; see {self.watchdog_log_file}")
+            time.sleep(0.1)
 
     def wait_ready(self, timeout_s: float = 120.0) -> None:
         """Wait until the server (and every model it loads at start) is ready."""
@@ -164,18 +334,28 @@ class TritonServer:
         raise TimeoutError(f"tritonserver not ready after {timeout_s:g} s; log tail:\n{self.log_tail()}")
 
     def ready(self) -> bool:
-        return _http_ok(f"http://127.0.0.1:{self.http_port}/v2/health/ready")
+        return _http_ok(f"http://{self.http_url}/v2/health/ready")
 
     def live(self) -> bool:
-        return _http_ok(f"http://127.0.0.1:{self.http_port}/v2/health/live")
+        return _http_ok(f"http://{self.http_url}/v2/health/live")
 
-    def stop(self, grace_s: float = 30.0) -> int | None:
-        """SIGTERM, then SIGKILL after `grace_s`. Returns the exit code."""
+    def stop(self, grace_s: float | None = None) -> int | None:
+        """Stop the watchdog first (so it does not heal a stopping server), then SIGTERM the
+        server and SIGKILL it only if it is still there `grace_s` later (default: its exit
+        timeout + 10 s). Returns the server's exit code (-9 when it had to be killed)."""
+        self.stop_watchdog()
+        grace_s = self.exit_timeout_s + 10.0 if grace_s is None else grace_s
         if self.process is not None:
-            return _terminate(self.process.pid, grace_s, self.process)
+            return _terminate(self.process.pid, grace_s, self.process)[0]
         if self.pid is not None:
-            return _terminate(self.pid, grace_s)
+            return _terminate(self.pid, grace_s)[0]
         return None
+
+    def stop_watchdog(self) -> None:
+        if self.watchdog_process is not None:
+            _terminate(self.watchdog_process.pid, 5.0, self.watchdog_process)
+        elif self.watchdog_pid is not None and _is_process(self.watchdog_pid, "serving.watchdog"):
+            _terminate(self.watchdog_pid, 5.0)
 
     def log_tail(self, lines: int = 40) -> str:
         try:
@@ -184,12 +364,21 @@ class TritonServer:
             return "(no log)"
 
     @property
+    def local_host(self) -> str:
+        """Where a client on this machine reaches the server."""
+        return "127.0.0.1" if self.address in ("0.0.0.0", "127.0.0.1", "") else self.address
+
+    @property
     def grpc_url(self) -> str:
-        return f"127.0.0.1:{self.grpc_port}"
+        return f"{self.local_host}:{self.grpc_port}"
 
     @property
     def http_url(self) -> str:
-        return f"127.0.0.1:{self.http_port}"
+        return f"{self.local_host}:{self.http_port}"
+
+    @property
+    def ready_url(self) -> str | None:
+        return f"http://{self.local_host}:{self.ready_port}" if self.ready_port else None
 
     def __enter__(self) -> "TritonServer":
         return self.start() if self.process is None else self
@@ -206,6 +395,20 @@ def _http_ok(url: str) -> bool:
         return False
 
 
+def _http_json(url: str, timeout: float = 3.0) -> tuple:
+    """(status, parsed JSON body) of a GET; (None, error text) when nothing answered."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, json.loads(r.read() or b"null")
+    except urllib.error.HTTPError as e:
+        try:
+            return e.code, json.loads(e.read() or b"null")
+        except ValueError:
+            return e.code, None
+    except (urllib.error.URLError, ConnectionError, OSError, ValueError) as e:
+        return None, str(e)
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -213,32 +416,50 @@ def _alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    # a zombie child of ours counts as gone
+    # a zombie (exited, not yet reaped by its parent) counts as gone
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ")[-1][:1] != "Z"
+            return f.read().rsplit(") ", 1)[-1][:1] != "Z"
     except OSError:
         return True
 
 
-def _terminate(pid: int, grace_s: float, process: subprocess.Popen | None = None) -> int | None:
+def _is_process(pid: int, marker: str) -> bool:
+    """Whether pid is alive and its command line contains `marker` (a pid read from a file
+    may since belong to another process)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return _alive(pid) and marker.encode() in f.read()
+    except OSError:
+        return False
+
+
+def _terminate(pid: int, grace_s: float, process: subprocess.Popen | None = None) -> tuple:
+    """SIGTERM, then SIGKILL after `grace_s`. Returns (exit code, killed): the code is known only
+    for a child of ours (else 0 after SIGTERM, -9 after SIGKILL)."""
+    if process is not None and process.poll() is not None:  # already reaped: its pid may be reused
+        return process.returncode, False
     try:
         os.kill(pid, signal.SIGTERM)
     except ProcessLookupError:
-        return process.wait() if process is not None else None
+        return (process.wait() if process is not None else None), False
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline:
         if process is not None:
             if process.poll() is not None:
-                return process.returncode
+                return process.returncode, False
         elif not _alive(pid):
-            return 0
-        time.sleep(0.1)
+            return 0, False
+        time.sleep(0.05)
     try:
         os.kill(pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
-    return process.wait() if process is not None else -signal.SIGKILL
+    if process is not None:
+        return process.wait(), True
+    while _alive(pid) and time.monotonic() < deadline + 5:
+        time.sleep(0.05)
+    return -signal.SIGKILL, True
 
 
 # --------------------------------------------------------------------------------------------
@@ -247,6 +468,8 @@ def _terminate(pid: int, grace_s: float, process: subprocess.Popen | None = None
 # restart it. One way to kill it is a request whose shape's element count overflows
 # (e.g. INT64 [1, 2**62] with an empty payload): the stub dies while unpacking the request,
 # before model code can look at the shape, so only a reload brings the model back.
+# The watchdog (serving/watchdog.py) sees the stub process go and calls reload_model; the
+# inference probe below is the slower way, for a stub that is there but does not answer.
 # --------------------------------------------------------------------------------------------
 def _probe_inputs(model: str, client_module):
     """A request each model refuses by its own validation (INVALID_ARG): an answer proves the
@@ -294,8 +517,12 @@ def _metadata_probe(client, model: str, client_module):
     return inputs
 
 
-def unhealthy_models(grpc_url: str) -> list:
-    """The Python models whose stub no longer answers."""
+def unhealthy_models(grpc_url: str, models=None) -> list:
+    """The Python models whose stub no longer answers (by an inference probe).
+
+    A probe that reaches a dead stub leaves that instance stuck in the server (measured with
+    2.51: the old instance is never released after the reload, so its zombie stays and the
+    server's shutdown waits its whole exit timeout); the watchdog's process check comes first."""
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import InferenceServerException
 
@@ -304,7 +531,7 @@ def unhealthy_models(grpc_url: str) -> list:
     bad = []
     client = grpcclient.InferenceServerClient(grpc_url)
     try:
-        for model in P.PYTHON_MODELS:
+        for model in P.PYTHON_MODELS if models is None else models:
             if not client.is_model_ready(model):
                 continue
             inputs, kwargs = _probe_inputs(model, grpcclient)
@@ -320,82 +547,89 @@ def unhealthy_models(grpc_url: str) -> list:
     return bad
 
 
-def heal(grpc_url: str) -> list:
-    """Reload every Python model whose stub died (and the ensemble). Returns their names.
-    A reloaded history_encoder has lost its sessions: their next request gets a clear error."""
+def reload_model(client, model: str, admin_key: str | None = None, timeout_s: float = 300.0) -> None:
+    """Replace every instance of `model` with a fresh one (same version, same config); the
+    ensemble that uses it is reloaded with it. A reloaded history_encoder has lost its
+    sessions: their next request gets a clear error."""
+    # load_model of an unchanged model keeps the (dead) instance: its own config plus a fresh
+    # parameter forces a new instance, which replaces the dead one
+    config = client.get_model_config(model, as_json=True)["config"]
+    config.setdefault("parameters", {})["reload_nonce"] = {"string_value": str(time.time_ns())}
+    client.load_model(model, config=json.dumps(config), headers=admin_headers(admin_key), client_timeout=timeout_s)
+
+
+def heal(grpc_url: str, admin_key: str | None = None, models=None) -> list:
+    """Reload the given Python models, or every one whose stub no longer answers a probe (and
+    the ensemble). Returns their names."""
     import tritonclient.grpc as grpcclient
 
-    from backend_src.serving import protocol as P
-
-    bad = unhealthy_models(grpc_url)
+    bad = unhealthy_models(grpc_url) if models is None else list(models)
     if bad:
         client = grpcclient.InferenceServerClient(grpc_url)
         try:
             for model in bad:
-                # load_model of an unchanged model keeps the (dead) instance: its own config
-                # plus a fresh parameter forces a new instance, which replaces the dead one
-                config = client.get_model_config(model, as_json=True)["config"]
-                config.setdefault("parameters", {})["reload_nonce"] = {"string_value": str(time.time_ns())}
-                client.load_model(model, config=json.dumps(config))  # the ensemble reloads with it
+                reload_model(client, model, admin_key)
         finally:
             client.close()
     return bad
 
 
-class StubWatchdog:
-    """Probes the Python models every `interval_s` and reloads the ones whose stub died."""
-
-    def __init__(self, grpc_url: str, interval_s: float = 10.0, log=print):
-        import threading
-
-        self.grpc_url, self.interval_s, self.log = grpc_url, interval_s, log
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True, name="stub-watchdog")
-        self.healed: list = []
-
-    def _run(self):
-        while not self._stop.wait(self.interval_s):
-            try:
-                bad = heal(self.grpc_url)
-            except Exception as e:  # noqa: BLE001 - a watchdog must not die of a failed probe
-                self.log(f"stub watchdog: probe failed: {e}")
-                continue
-            if bad:
-                self.healed.extend(bad)
-                self.log(f"stub watchdog: reloaded {', '.join(bad)} (stub process had died)")
-
-    def start(self) -> "StubWatchdog":
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=self.interval_s + 35)
-
-
 # --------------------------------------------------------------------------------------------
 # Command line
 # --------------------------------------------------------------------------------------------
+def _read_pid_file(pid_file: Path) -> dict | None:
+    try:
+        return json.loads(pid_file.read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m backend_src.serving.server", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m backend_src.serving.server",
+        description=__doc__.split("\n\n")[0],
+        epilog="Self-healing, loopback-only and key-protected by default; see the module docstring.",
+    )
     ap.add_argument("action", choices=["start", "stop", "status", "heal"])
     ap.add_argument("--model-repository", default="model_repository")
     ap.add_argument("--grpc-port", type=int, default=8001)
     ap.add_argument("--http-port", type=int, default=8000)
     ap.add_argument("--metrics-port", type=int, default=8002)
+    ap.add_argument("--ready-port", type=int, default=DEFAULT_READY_PORT,
+                    help="port of the watchdog's GET /ready and /live")
+    ap.add_argument("--address", "--bind", dest="address", default=DEFAULT_ADDRESS,
+                    help="address gRPC, HTTP, metrics and /ready listen on (0.0.0.0: every interface)")
+    ap.add_argument("--admin-key-file", default=None,
+                    help="file with the admin key (default: admin.key beside the pid file; GENREC_ADMIN_KEY wins)")
+    ap.add_argument("--no-watchdog", dest="watchdog", action="store_false",
+                    help="do not run the stub watchdog (no self-healing, no /ready)")
+    ap.add_argument("--event-log", default=None, help="put in the server's environment as GENREC_EVENT_LOG")
+    ap.add_argument("--exit-timeout", type=int, default=DEFAULT_EXIT_TIMEOUT_S,
+                    help="seconds the server waits for in-flight work when stopped")
     ap.add_argument("--log-file", default=str(DEFAULT_LOG_FILE))
     ap.add_argument("--pid-file", default=str(DEFAULT_PID_FILE))
     ap.add_argument("--load-model", default="*", help="model to load at start ('*' = all, '' = none)")
     ap.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for readiness")
     a = ap.parse_args(argv)
     pid_file = Path(a.pid_file)
+    # an explicit key file, else GENREC_ADMIN_KEY, else admin.key beside the pid file
+    key_file = Path(a.admin_key_file) if a.admin_key_file else pid_file.parent / "admin.key"
+    key_from_env = not a.admin_key_file and bool(os.environ.get(ADMIN_KEY_ENV))
+    info = _read_pid_file(pid_file)
 
     if a.action == "start":
-        if pid_file.exists() and _alive(int(json.loads(pid_file.read_text())["pid"])):
+        if info and _is_process(int(info["pid"]), "tritonserver"):
             print(f"already running ({pid_file})", file=sys.stderr)
             return 1
+        try:
+            key = read_admin_key() if key_from_env else ensure_admin_key(key_file)
+        except (OSError, ValueError) as e:
+            print(f"admin key: {e}", file=sys.stderr)
+            return 1
         srv = TritonServer(
-            a.model_repository, a.grpc_port, a.http_port, a.metrics_port, a.log_file, load_models=a.load_model or None
+            a.model_repository, a.grpc_port, a.http_port, a.metrics_port, a.log_file, load_models=a.load_model or None,
+            exit_timeout_s=a.exit_timeout, address=a.address, admin_key=key, watchdog=a.watchdog,
+            ready_port=a.ready_port if a.watchdog else None, event_log=a.event_log,
         )
         try:
             srv.start(a.timeout)
@@ -404,30 +638,53 @@ def main(argv=None) -> int:
             print(str(e), file=sys.stderr)
             return 1
         pid_file.parent.mkdir(parents=True, exist_ok=True)
-        pid_file.write_text(
-            json.dumps({"pid": srv.pid, "grpc": srv.grpc_port, "http": srv.http_port, "metrics": srv.metrics_port, "log": str(srv.log_file)})
+        pid_file.write_text(json.dumps({
+            "pid": srv.pid, "watchdog_pid": srv.watchdog_pid, "address": srv.address, "grpc": srv.grpc_port,
+            "http": srv.http_port, "metrics": srv.metrics_port, "ready_port": srv.ready_port,
+            "log": str(srv.log_file), "admin_key_file": None if key_from_env else str(key_file),
+        }))
+        srv.process = srv.watchdog_process = None  # leave both running after this command exits
+        print(
+            f"tritonserver ready: pid {srv.pid}, gRPC {srv.address}:{srv.grpc_port}, HTTP :{srv.http_port}, "
+            f"metrics :{srv.metrics_port}"
+            + (f"; watchdog pid {srv.watchdog_pid}, {srv.ready_url}/ready" if srv.watchdog else "; no watchdog")
         )
-        srv.process = None  # leave it running after this command exits
-        print(f"tritonserver ready: pid {srv.pid}, gRPC :{srv.grpc_port}, HTTP :{srv.http_port}, metrics :{srv.metrics_port}")
         return 0
 
+    host = "127.0.0.1"
+    if info and info.get("address") not in (None, "0.0.0.0", "127.0.0.1", ""):
+        host = info["address"]
     if a.action == "heal":  # reload Python models whose stub process died
-        bad = heal(f"127.0.0.1:{a.grpc_port}")
+        grpc_port = info["grpc"] if info else a.grpc_port
+        bad = heal(f"{host}:{grpc_port}", read_admin_key() if key_from_env else read_admin_key(key_file))
         print("reloaded " + ", ".join(bad) if bad else "all Python model stubs answer")
         return 0
-    if not pid_file.exists():
+    if not info:
         print("not running (no pid file)")
         return 0 if a.action == "stop" else 3
-    info = json.loads(pid_file.read_text())
-    pid = int(info["pid"])
+    pid, wd_pid = int(info["pid"]), info.get("watchdog_pid")
     if a.action == "status":
-        alive = _alive(pid)
-        ready = alive and _http_ok(f"http://127.0.0.1:{info['http']}/v2/health/ready")
-        print(json.dumps({**info, "alive": alive, "ready": ready}))
+        alive = _is_process(pid, "tritonserver")
+        ready = alive and _http_ok(f"http://{host}:{info['http']}/v2/health/ready")
+        out = {**info, "alive": alive, "ready": ready}
+        if wd_pid:
+            status, body = _http_json(f"http://{host}:{info['ready_port']}/ready")
+            wd_alive = _is_process(int(wd_pid), "serving.watchdog")
+            out["watchdog"] = {"alive": wd_alive, "ready_status": status, "ready": body}
+            ready = ready and status == 200
+        print(json.dumps(out))
         return 0 if ready else 3
-    code = _terminate(pid, grace_s=30.0) if _alive(pid) else None
+    # stop: the watchdog first, so it does not reload models of a stopping server
+    if wd_pid and _is_process(int(wd_pid), "serving.watchdog"):
+        _terminate(int(wd_pid), grace_s=5.0)
+    t0 = time.monotonic()
+    if _is_process(pid, "tritonserver"):
+        code, killed = _terminate(pid, grace_s=a.exit_timeout + 10.0)
+        how = "SIGKILL (did not exit after SIGTERM)" if killed else "SIGTERM"
+        print(f"stopped pid {pid} by {how} in {time.monotonic() - t0:.1f} s")
+    else:
+        print(f"pid {pid} was not running")
     pid_file.unlink(missing_ok=True)
-    print(f"stopped pid {pid}" + (f" (exit {code})" if code is not None else ""))
     return 0
 
 

@@ -1,0 +1,359 @@
+"""Stub watchdog: reloads a Python model whose stub process died, and says whether the server
+can really serve.
+
+    python -m backend_src.serving.watchdog --server-pid PID --grpc-url 127.0.0.1:8001 \
+        --http-url 127.0.0.1:8000 --ready-port 8003 [--address 127.0.0.1] [--log-file runs/watchdog.log]
+
+`python -m backend_src.serving.server start` runs it as a detached process of its own. The admin
+key for reloading comes from GENREC_ADMIN_KEY in its environment.
+
+Why: the Python backend runs each model instance as a child process of tritonserver
+(`triton_python_backend_stub <repository>/<model>/<version>/model.py ...`). When one dies (a
+request whose shape overflows the server's byte count kills it before model code runs), the
+server answers every later request of that model with "Stub process ... is not healthy" and
+still says the model is ready; nothing brings it back but a reload.
+
+How: every `--interval` seconds (0.5) it lists tritonserver's stub children in /proc. A model
+that the server says is ready but that has fewer live stubs than its config's instances (one
+vanished, or is a zombie) is dead: it is reloaded (which reloads the ensemble too) at once.
+An inference probe of every stage every `--probe-interval` seconds (30) is the slower
+backstop, for a stub that is there but does not answer.
+
+Readiness (HTTP on --address:--ready-port): GET /ready answers 200 only when tritonserver is
+ready, every model is ready and every Python stage has all its stubs alive and is not being
+reloaded, else 503 with a JSON body naming the dead stages; GET /live answers 200 while
+tritonserver answers its own liveness. It exits when tritonserver is gone, and on SIGTERM.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+from backend_src.serving import protocol as P
+from backend_src.serving.server import ADMIN_KEY_ENV, _alive, _http_ok, reload_model, unhealthy_models
+
+STUB_COMM = "triton_python_b"  # the kernel keeps 15 characters of triton_python_backend_stub
+STUB_NAME = "triton_python_backend_stub"
+
+log = logging.getLogger("genrec.watchdog")
+
+
+# --------------------------------------------------------------------------------------------
+# /proc
+# --------------------------------------------------------------------------------------------
+def _stat(pid: int) -> tuple | None:
+    """(comm, state, ppid) of a process, or None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            text = f.read()
+    except OSError:
+        return None
+    comm = text[text.index("(") + 1 : text.rindex(")")]
+    state, ppid = text[text.rindex(")") + 2 :].split()[:2]
+    return comm, state, int(ppid)
+
+
+def child_pids(pid: int) -> list:
+    """Children of `pid` (zombies included): from each thread's children list where the kernel
+    has one, else by reading every process's parent."""
+    tasks = Path(f"/proc/{pid}/task")
+    found, have_lists = set(), False
+    try:
+        for task in tasks.iterdir():
+            try:
+                found.update(int(x) for x in (task / "children").read_text().split())
+                have_lists = True
+            except OSError:
+                continue
+    except OSError:
+        return []
+    if have_lists:
+        return sorted(found)
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            st = _stat(int(entry))
+            if st and st[2] == pid:
+                out.append(int(entry))
+    return out
+
+
+def stub_processes(server_pid: int, known: dict | None = None) -> dict:
+    """{pid: (model, alive)} for every Python-backend stub child of the server. A zombie's
+    command line is gone: its model comes from `known` (pid -> model seen while alive), or None."""
+    out = {}
+    for pid in child_pids(server_pid):
+        st = _stat(pid)
+        if st is None or st[0] != STUB_COMM:
+            continue
+        if st[1] == "Z":
+            out[pid] = ((known or {}).get(pid), False)
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue  # gone since
+        if not argv[0].endswith(STUB_NAME.encode()) or len(argv) < 2:
+            continue  # still the shell that launches it
+        model_py = Path(argv[1].decode(errors="replace"))  # <repository>/<model>/<version>/model.py
+        out[pid] = (model_py.parent.parent.name, True)
+    return out
+
+
+def instance_count(config: dict) -> int:
+    """Instances the server runs of a model, from its (server-completed) config."""
+    n = 0
+    for group in config.get("instance_group") or [{"count": 1}]:
+        count = int(group.get("count", 1))
+        gpus = group.get("gpus") or []
+        n += count * (len(gpus) if group.get("kind") == "KIND_GPU" and gpus else 1)
+    return max(n, 1)
+
+
+# --------------------------------------------------------------------------------------------
+# The watchdog
+# --------------------------------------------------------------------------------------------
+class Watchdog:
+    def __init__(
+        self,
+        server_pid: int,
+        grpc_url: str,
+        http_url: str,
+        admin_key: str | None = None,
+        interval_s: float = 0.5,
+        probe_interval_s: float = 30.0,
+        models=P.PYTHON_MODELS,
+    ):
+        self.server_pid, self.grpc_url, self.http_url = server_pid, grpc_url, http_url
+        self.admin_key = admin_key
+        self.interval_s, self.probe_interval_s = interval_s, probe_interval_s
+        self.models = tuple(models)
+        self.known: dict = {}  # stub pid -> model, remembered to name a zombie
+        self.expected: dict = {}  # model -> instances, for the models the server says are ready
+        self._last_live: frozenset = frozenset()
+        self._lock = threading.Lock()
+        self.dead: dict = {}  # model -> why, until its reload succeeded
+        self.retry_at: dict = {}  # model -> monotonic time of the next reload attempt after a failure
+        self.failures: dict = {}
+        self.healed: list = []  # (model, seconds from detection to reloaded)
+        self.stop_event = threading.Event()
+        self._client = None
+
+    # ---- what the server should have ---------------------------------------------------------
+    def client(self):
+        if self._client is None:
+            import tritonclient.grpc as grpcclient
+
+            self._client = grpcclient.InferenceServerClient(self.grpc_url)
+        return self._client
+
+    def refresh(self) -> None:
+        """Instances expected of each model the server says is ready (a model being unloaded,
+        or never loaded, is not expected to have stubs)."""
+        expected = {}
+        for model in self.models:
+            if self.client().is_model_ready(model, client_timeout=5):
+                config = self.client().get_model_config(model, as_json=True, client_timeout=5)["config"]
+                expected[model] = instance_count(config)
+        self.expected = expected
+
+    def scan(self) -> dict:
+        stubs = stub_processes(self.server_pid, self.known)
+        # one assignment, as /ready reads it from another thread
+        self.known = {pid: model for pid, (model, _) in stubs.items() if model is not None}
+        return stubs
+
+    def deficits(self, stubs: dict, expected: dict | None = None) -> dict:
+        """{model: why} for ready models with fewer live stubs than instances. Any version
+        counts: during a version swap the new stubs start before the old ones stop."""
+        expected = self.expected if expected is None else expected
+        live: dict = {}
+        for model, alive in stubs.values():
+            if alive:
+                live[model] = live.get(model, 0) + 1
+        out = {}
+        for model, want in expected.items():
+            have = live.get(model, 0)
+            if have < want:
+                zombies = sorted(pid for pid, (m, alive) in stubs.items() if m == model and not alive)
+                out[model] = f"stub died: {have} of {want} stub processes alive" + (
+                    f" (zombie pids {zombies})" if zombies else "")
+        return out
+
+    def find_dead(self) -> dict:
+        stubs = self.scan()
+        live = frozenset(pid for pid, (_, alive) in stubs.items() if alive)
+        if live != self._last_live or not self.expected:
+            self._last_live = live
+            self.refresh()
+            stubs = self.scan()
+        dead = self.deficits(stubs)
+        if dead:  # confirm against the server's current view (a reload may have just finished)
+            self.refresh()
+            dead = {m: why for m, why in self.deficits(self.scan()).items() if m in dead}
+        return dead
+
+    # ---- healing -------------------------------------------------------------------------------
+    def heal(self, dead: dict, found_at: float) -> None:
+        for model, why in dead.items():
+            if time.monotonic() < self.retry_at.get(model, 0.0):
+                continue
+            log.warning("%s: %s; reloading", model, why)
+            t0 = time.monotonic()
+            try:
+                reload_model(self.client(), model, self.admin_key)
+            except Exception as e:  # noqa: BLE001 - keep watching; try again later
+                n = self.failures[model] = self.failures.get(model, 0) + 1
+                self.retry_at[model] = time.monotonic() + min(60.0, 2.0**n)
+                log.error("%s: reload failed (%s); next try in %.0f s", model, e, min(60.0, 2.0**n))
+                continue
+            self.failures.pop(model, None)
+            self.retry_at.pop(model, None)
+            with self._lock:
+                self.dead.pop(model, None)
+            self.healed.append((model, time.monotonic() - found_at))
+            self._last_live = frozenset()  # look again at once
+            log.warning("%s: reloaded in %.1f s (%.1f s after the failure was seen); %s follows",
+                        model, time.monotonic() - t0, time.monotonic() - found_at, P.ENSEMBLE)
+
+    def tick(self) -> None:
+        if not self.server_live():
+            return  # starting or stopping: nothing to heal
+        found_at = time.monotonic()
+        dead = self.find_dead()
+        for model in list(self.retry_at):
+            if model not in dead:  # back without us (reloaded by someone, or unloaded)
+                self.retry_at.pop(model, None)
+                self.failures.pop(model, None)
+        with self._lock:
+            self.dead = dict(dead)
+        if dead:
+            self.heal(dead, found_at)
+
+    def probe(self) -> None:
+        """The slow backstop: an inference probe of every stage not already known dead."""
+        models = [m for m in self.models if m not in self.dead]
+        bad = unhealthy_models(self.grpc_url, models)
+        if bad:
+            dead = {m: "stub does not answer an inference probe" for m in bad}
+            with self._lock:
+                self.dead.update(dead)
+            self.heal(dead, time.monotonic())
+
+    def server_alive(self) -> bool:
+        return _alive(self.server_pid)
+
+    def server_live(self) -> bool:
+        return _http_ok(f"http://{self.http_url}/v2/health/live")
+
+    def run(self) -> None:
+        next_probe = time.monotonic() + self.probe_interval_s
+        while not self.stop_event.is_set():
+            if not self.server_alive():
+                log.warning("tritonserver (pid %d) is gone; the watchdog stops", self.server_pid)
+                self.stop_event.set()
+                break
+            try:
+                self.tick()
+                if self.probe_interval_s > 0 and time.monotonic() >= next_probe:
+                    next_probe = time.monotonic() + self.probe_interval_s
+                    self.probe()
+            except Exception as e:  # noqa: BLE001 - a watchdog must not die of a failed check
+                log.error("check failed: %s", e)
+                self._client, self._last_live = None, frozenset()
+            self.stop_event.wait(self.interval_s)
+
+    # ---- readiness -----------------------------------------------------------------------------
+    def readiness(self) -> tuple:
+        """(ready, body). Looks at /proc again, so a stub that died since the last tick counts."""
+        server_ready = _http_ok(f"http://{self.http_url}/v2/health/ready")
+        with self._lock:
+            dead = dict(self.dead)
+        for model, why in self.deficits(stub_processes(self.server_pid, self.known), self.expected).items():
+            dead.setdefault(model, why)
+        not_ready = [m for m in P.ALL_MODELS if not _http_ok(f"http://{self.http_url}/v2/models/{m}/ready")]
+        ready = server_ready and not dead and not not_ready
+        return ready, {
+            "ready": ready,
+            "server_ready": server_ready,
+            "dead": sorted(dead),
+            "why": dead,
+            "models_not_ready": not_ready,
+        }
+
+    def liveness(self) -> tuple:
+        live = self.server_alive() and self.server_live()
+        return live, {"live": live, "server_pid": self.server_pid}
+
+    def serve(self, address: str, port: int) -> ThreadingHTTPServer:
+        watchdog = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 - the http.server name
+                path = self.path.split("?", 1)[0].rstrip("/")
+                if path == "/ready":
+                    ok, body = watchdog.readiness()
+                elif path == "/live":
+                    ok, body = watchdog.liveness()
+                else:
+                    self.send_error(404)
+                    return
+                data = json.dumps(body).encode()
+                self.send_response(200 if ok else 503)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):  # no line per health check
+                pass
+
+        httpd = ThreadingHTTPServer((address, port), Handler)
+        httpd.daemon_threads = True
+        threading.Thread(target=httpd.serve_forever, daemon=True, name="readiness").start()
+        return httpd
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m backend_src.serving.watchdog", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--server-pid", type=int, required=True)
+    ap.add_argument("--grpc-url", required=True)
+    ap.add_argument("--http-url", required=True)
+    ap.add_argument("--address", default="127.0.0.1", help="address of the readiness endpoint")
+    ap.add_argument("--ready-port", type=int, required=True)
+    ap.add_argument("--interval", type=float, default=0.5, help="seconds between stub checks")
+    ap.add_argument("--probe-interval", type=float, default=30.0, help="seconds between inference probes (0: none)")
+    ap.add_argument("--log-file", default=None)
+    a = ap.parse_args(argv)
+    logging.basicConfig(
+        filename=a.log_file, level=logging.INFO, format="%(asctime)s watchdog[%(process)d] %(levelname)s %(message)s"
+    )
+    key = os.environ.get(ADMIN_KEY_ENV) or None
+    wd = Watchdog(a.server_pid, a.grpc_url, a.http_url, key, a.interval, a.probe_interval)
+    if wd.admin_key is None:
+        log.info("no admin key: reloads work only on a server that leaves model loading open")
+    signal.signal(signal.SIGTERM, lambda *_: wd.stop_event.set())
+    signal.signal(signal.SIGINT, lambda *_: wd.stop_event.set())
+    httpd = wd.serve(a.address, a.ready_port)
+    log.info("watching tritonserver pid %d (gRPC %s); readiness on http://%s:%d/ready",
+             a.server_pid, a.grpc_url, a.address, a.ready_port)
+    # the checks run beside the main thread, so a signal ends the process even during a reload
+    threading.Thread(target=wd.run, daemon=True, name="stub-watchdog").start()
+    while not wd.stop_event.wait(0.5):
+        pass
+    httpd.server_close()  # the serving thread goes with the process
+    log.info("stopped")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

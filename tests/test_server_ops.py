@@ -1,0 +1,422 @@
+"""Operating the server: self-healing after a stub dies, only inference open without the admin
+key, loopback-only by default, a fast clean stop with sessions open.
+
+The server is started the way an operator starts it (`python -m backend_src.serving.server
+start`, a command that returns while the server and its watchdog keep running), with a tiny
+untrained model as in tests/test_server.py.
+"""
+import ipaddress
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from multiprocessing import shared_memory
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from backend_src.config import DecodeOptions
+from backend_src.serving import protocol as P
+from backend_src.serving.server import ADMIN_HEADER, ADMIN_KEY_ENV, GRPC_ADMIN_HEADER, TritonServer, free_port
+from export import publish as pub
+from export.triton_configs import ServingOptions
+
+pytestmark = pytest.mark.server
+grpcclient = pytest.importorskip("tritonclient.grpc")
+httpclient = pytest.importorskip("tritonclient.http")
+from tritonclient.utils import InferenceServerException  # noqa: E402
+from serving_helpers import build_tiny_checkpoint, require_tritonserver  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+NUM_ITEMS = 60
+RECOVERY_BOUND_S = 15.0  # kill -> `recommend` answers again, with no call from the test
+STOP_BOUND_S = 8.0
+
+
+# ---- helpers ------------------------------------------------------------------------------
+def _input(name, array, dtype):
+    t = grpcclient.InferInput(name, list(array.shape), dtype)
+    t.set_data_from_numpy(array)
+    return t
+
+
+def recommend(client, sid, start=True, end=True):
+    items = np.array([[b"sku-3", b"sku-7"]], dtype=object)
+    inputs = [
+        _input(P.ITEM_IDS.name, items, "BYTES"),
+        _input(P.ACTIONS.name, np.ones((1, 2), np.int64), "INT64"),
+        _input(P.TIMESTAMPS.name, np.array([[1000, 1060]], np.int64), "INT64"),
+    ]
+    return client.infer(P.ENSEMBLE, inputs, sequence_id=sid, sequence_start=start, sequence_end=end, client_timeout=30)
+
+
+def overflowing_request(client, sid):
+    """INT64 [1, 2**62] with an empty payload: the byte count wraps, the stub dies unpacking it."""
+    huge = grpcclient.InferInput(P.ACTIONS.name, [1, 2**62], "INT64")
+    huge._raw_content = b""
+    inputs = [
+        _input(P.ITEM_IDS.name, np.array([[b"sku-1", b"sku-2"]], dtype=object), "BYTES"),
+        huge,
+        _input(P.TIMESTAMPS.name, np.array([[1, 2]], np.int64), "INT64"),
+    ]
+    return client.infer(P.ENSEMBLE, inputs, sequence_id=sid, sequence_start=True, sequence_end=True, client_timeout=30)
+
+
+def children(pid: int) -> dict:
+    """{child pid: (state, command line)} of a process, read from /proc."""
+    out = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            state, ppid = stat[stat.rindex(")") + 2 :].split()[:2]
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, ValueError):
+            continue
+        if int(ppid) == pid:
+            out[int(entry)] = (state, cmdline)
+    return out
+
+
+def stubs(server_pid: int) -> dict:
+    """{pid: (state, model)} of the server's Python-backend stubs (model None for a zombie)."""
+    out = {}
+    for pid, (state, cmd) in children(server_pid).items():
+        comm = Path(f"/proc/{pid}/comm").read_text().strip() if Path(f"/proc/{pid}/comm").exists() else ""
+        if "triton_python_backend_stub" in cmd or comm.startswith("triton_python_b"):
+            model = next((m for m in P.PYTHON_MODELS if f"/{m}/" in cmd), None)
+            out[pid] = (state, model)
+    return out
+
+
+def steady_stubs(server_pid: int, timeout_s: float = 30.0) -> dict:
+    """stubs() once every Python model has exactly one (after a reload the old instances take a
+    few seconds to finish)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = stubs(server_pid)
+        if sorted(str(model) for _, model in found.values()) == sorted(P.PYTHON_MODELS):
+            return found
+        assert time.monotonic() < deadline, found
+        time.sleep(0.2)
+
+
+def stub_processes_of(repo) -> list:
+    """Running stub processes (of any parent) serving a model of `repo`."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and running(int(entry)):
+            try:
+                cmd = Path(f"/proc/{entry}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"triton_python_backend_stub" in cmd and str(repo).encode() in cmd:
+                out.append(int(entry))
+    return out
+
+
+def running(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
+
+
+def get(url: str) -> tuple:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def server_cli(*args, env=None, timeout=240) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "backend_src.serving.server", *args],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
+    )
+
+
+def clean_env() -> dict:
+    env = dict(os.environ)
+    env.pop(ADMIN_KEY_ENV, None)
+    return env
+
+
+# ---- fixtures -----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory):
+    require_tritonserver()
+    tmp = tmp_path_factory.mktemp("ops")
+    item_ids = [None] + [f"sku-{i}" for i in range(1, NUM_ITEMS + 1)]
+    build_tiny_checkpoint(tmp / "v1.pt", item_ids, 20, seed=1)
+    options = ServingOptions(
+        decode=DecodeOptions(mode="pfa", beam_width=8, k=8, r=0.5, selection_step=1),
+        top_k=5, max_queue_delay_us=500,
+    )
+    pub.publish(tmp / "v1.pt", tmp / "model_repository", options)
+    return tmp / "model_repository"
+
+
+@pytest.fixture(scope="module")
+def cli_server(repo, tmp_path_factory):
+    """A server started by the CLI with its defaults (watchdog on, admin key, loopback)."""
+    run = tmp_path_factory.mktemp("run")
+    ports = {"grpc": free_port(), "http": free_port(), "metrics": free_port(), "ready": free_port()}
+    pid_file = run / "tritonserver.pid"
+    common = ["--pid-file", str(pid_file)]
+    r = server_cli(
+        "start", "--model-repository", str(repo), "--grpc-port", str(ports["grpc"]), "--http-port", str(ports["http"]),
+        "--metrics-port", str(ports["metrics"]), "--ready-port", str(ports["ready"]),
+        "--log-file", str(run / "tritonserver.log"), *common, env=clean_env(),
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    info = json.loads(pid_file.read_text())
+    yield {
+        "run": run, "ports": ports, "pid_file": pid_file, "info": info, "common": common,
+        "key": (run / "admin.key").read_text().strip(), "grpc_url": f"127.0.0.1:{ports['grpc']}",
+        "http_url": f"127.0.0.1:{ports['http']}", "ready_url": f"http://127.0.0.1:{ports['ready']}",
+    }
+    if pid_file.exists():
+        server_cli("stop", *common, env=clean_env())
+    # whatever a failed test left behind (checked by command line: a pid may be reused)
+    for pid, marker in ((info["watchdog_pid"], b"serving.watchdog"), (info["pid"], b"tritonserver")):
+        try:
+            ours = running(pid) and marker in Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            ours = False
+        if ours:
+            os.kill(pid, signal.SIGKILL)
+
+
+# ---- tests --------------------------------------------------------------------------------
+def test_cli_start_leaves_server_and_watchdog_running(cli_server):
+    info, run = cli_server["info"], cli_server["run"]
+    # `start` has returned; both processes outlive it, each on its own
+    assert running(info["pid"]) and running(info["watchdog_pid"]) and info["pid"] != info["watchdog_pid"]
+    assert b"backend_src.serving.watchdog" in Path(f"/proc/{info['watchdog_pid']}/cmdline").read_bytes()
+    assert (run / "admin.key").stat().st_mode & 0o777 == 0o600
+    assert len(cli_server["key"]) >= 32
+    assert get(cli_server["ready_url"] + "/ready")[0] == 200 and get(cli_server["ready_url"] + "/live")[0] == 200
+    r = server_cli("status", *cli_server["common"], env=clean_env())
+    status = json.loads(r.stdout)
+    assert r.returncode == 0 and status["ready"] and status["watchdog"]["ready_status"] == 200, r.stdout
+    assert (run / "watchdog.log").exists()
+
+
+def _listening(port: int) -> set:
+    """Local addresses of the sockets listening on `port`, from /proc/net/tcp and tcp6 (an IPv6
+    socket bound to an IPv4 address shows the v4-mapped form: given as the IPv4 address)."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            local, state = line.split()[1], line.split()[3]
+            hexaddr, hexport = local.split(":")
+            if state != "0A" or int(hexport, 16) != port:
+                continue
+            # 32-bit words in host (little-endian) order
+            raw = b"".join(bytes.fromhex(hexaddr[i : i + 8])[::-1] for i in range(0, len(hexaddr), 8))
+            addr = ipaddress.ip_address(raw)
+            found.add(str(getattr(addr, "ipv4_mapped", None) or addr))
+    return found
+
+
+def _non_loopback_address() -> str | None:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))  # no packet is sent: this only picks the source address
+            addr = s.getsockname()[0]
+        except OSError:
+            return None
+    return None if addr.startswith("127.") else addr
+
+
+def test_listens_on_loopback_only(cli_server):
+    for name, port in cli_server["ports"].items():
+        assert _listening(port) == {"127.0.0.1"}, (name, _listening(port))  # no wildcard, no other address
+    addr = _non_loopback_address()
+    if addr:
+        for port in cli_server["ports"].values():
+            with pytest.raises(OSError):
+                socket.create_connection((addr, port), timeout=2).close()
+
+
+def test_only_inference_is_open_without_the_admin_key(cli_server, repo):
+    key = cli_server["key"]
+    g = grpcclient.InferenceServerClient(cli_server["grpc_url"])
+    h = httpclient.InferenceServerClient(cli_server["http_url"])
+    shm = shared_memory.SharedMemory(create=True, size=64)
+    try:
+        admin_calls = {
+            "unload_model": lambda c, hd: c.unload_model(P.ENSEMBLE, headers=hd),
+            "load_model": lambda c, hd: c.load_model(P.ENSEMBLE, headers=hd),
+            "register_system_shared_memory":
+                lambda c, hd: c.register_system_shared_memory("ops", "/" + shm.name, 64, headers=hd),
+            "unregister_system_shared_memory": lambda c, hd: c.unregister_system_shared_memory("ops", headers=hd),
+            "update_log_settings": lambda c, hd: c.update_log_settings({"log_info": True}, headers=hd),
+            "get_model_repository_index": lambda c, hd: c.get_model_repository_index(headers=hd),
+        }
+        for client, header, refusal in ((g, GRPC_ADMIN_HEADER, "StatusCode.UNAVAILABLE"), (h, ADMIN_HEADER, "403")):
+            for name, call in admin_calls.items():
+                for headers in (None, {header: "not-the-key-0123456789"}):
+                    with pytest.raises(InferenceServerException) as e:
+                        call(client, headers)
+                    assert e.value.status() == refusal and "restricted" in e.value.message(), (name, e.value)
+            assert client.is_model_ready(P.ENSEMBLE)  # the refused unload did nothing
+
+            # with the key every one of them works
+            ok = {header: key}
+            index = admin_calls["get_model_repository_index"](client, ok)
+            names = {m["name"] for m in index} if isinstance(index, list) else {m.name for m in index.models}
+            assert names >= set(P.ALL_MODELS)
+            admin_calls["update_log_settings"](client, ok)
+            admin_calls["register_system_shared_memory"](client, ok)
+            admin_calls["unregister_system_shared_memory"](client, ok)
+            admin_calls["unload_model"](client, ok)
+            deadline = time.monotonic() + 30
+            while client.is_model_ready(P.ENSEMBLE) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert not client.is_model_ready(P.ENSEMBLE)
+            admin_calls["load_model"](client, ok)
+            assert client.is_model_ready(P.ENSEMBLE)
+
+            # open to anyone: health, metadata, model config, statistics
+            assert client.is_server_live() and client.is_server_ready()
+            assert client.get_server_metadata() and client.get_model_metadata(P.ENCODER)
+            assert client.get_model_config(P.ENCODER) and client.get_inference_statistics(P.ENSEMBLE)
+        # and inference
+        r = recommend(g, 900)
+        assert r.as_numpy("RECOMMENDED_IDS").shape == (1, 5)
+
+        # publish sends the key; with a wrong one it stops before the repository changes
+        with pytest.raises(InferenceServerException, match="restricted"):
+            pub.reload_models(cli_server["grpc_url"], admin_key="not-the-key-0123456789")
+        before = pub.describe(repo)
+        with pytest.raises(InferenceServerException, match="restricted"):
+            pub.publish(repo.parent / "v1.pt", repo, server=cli_server["grpc_url"], admin_key="not-the-key-0123456789")
+        assert pub.describe(repo) == before
+        pub.reload_models(cli_server["grpc_url"], admin_key=key)
+        # none of these reloads looked like a dead stub to the watchdog
+        steady_stubs(cli_server["info"]["pid"])
+        assert "reloading" not in (cli_server["run"] / "watchdog.log").read_text()
+    finally:
+        g.close()
+        h.close()
+        shm.close()
+        shm.unlink()
+
+
+def _wait_healed(cli_server, client, killed_at: float, seen_503: list) -> float:
+    """Poll /ready (recording 503s) and `recommend` until it answers; seconds since killed_at."""
+    sid = 5000
+    while True:
+        elapsed = time.monotonic() - killed_at
+        assert elapsed < RECOVERY_BOUND_S, f"not healed after {elapsed:.1f} s; /ready says {seen_503[-1:]}"
+        status, body = get(cli_server["ready_url"] + "/ready")
+        if status == 503:
+            seen_503.append(body)
+        sid += 1
+        try:
+            recommend(client, sid)
+            return time.monotonic() - killed_at
+        except InferenceServerException:
+            time.sleep(0.2)
+
+
+def _check_healed(cli_server, seen_503: list, reloads: int) -> None:
+    assert any(P.ENCODER in body["dead"] for body in seen_503), seen_503[:3]
+    deadline = time.monotonic() + 10
+    while get(cli_server["ready_url"] + "/ready")[0] != 200:
+        assert time.monotonic() < deadline, get(cli_server["ready_url"] + "/ready")
+        time.sleep(0.2)
+    found = steady_stubs(cli_server["info"]["pid"])  # one live stub per model, and no zombie stub left
+    assert not [pid for pid, (state, _) in found.items() if state == "Z"], found
+    assert (cli_server["run"] / "watchdog.log").read_text().count(f"{P.ENCODER}: reloaded") == reloads
+
+
+def test_watchdog_heals_a_killed_stub(cli_server):
+    client = grpcclient.InferenceServerClient(cli_server["grpc_url"])
+    try:
+        recommend(client, 1001)
+        (encoder,) = [pid for pid, (_, model) in steady_stubs(cli_server["info"]["pid"]).items() if model == P.ENCODER]
+        os.kill(encoder, signal.SIGKILL)
+        killed_at = time.monotonic()
+        seen_503 = []
+        while not seen_503 and time.monotonic() - killed_at < 3:  # right after the kill
+            status, body = get(cli_server["ready_url"] + "/ready")
+            if status == 503:
+                seen_503.append(body)
+        recovered_s = _wait_healed(cli_server, client, killed_at, seen_503)
+        print(f"killed stub: recommend answers again {recovered_s:.1f} s after the kill")
+        _check_healed(cli_server, seen_503, reloads=1)
+    finally:
+        client.close()
+
+
+def test_watchdog_heals_after_an_overflowing_request(cli_server):
+    client = grpcclient.InferenceServerClient(cli_server["grpc_url"])
+    try:
+        sent_at = time.monotonic()
+        with pytest.raises(InferenceServerException, match="not healthy"):
+            overflowing_request(client, 1002)
+        seen_503 = []
+        recovered_s = _wait_healed(cli_server, client, sent_at, seen_503)
+        print(f"overflowing request: recommend answers again {recovered_s:.1f} s after it was sent")
+        _check_healed(cli_server, seen_503, reloads=2)
+    finally:
+        client.close()
+
+
+def test_cli_stop_with_open_sessions_is_fast(cli_server, repo):
+    info = cli_server["info"]
+    client = grpcclient.InferenceServerClient(cli_server["grpc_url"])
+    for sid in (71, 72, 73):  # three sessions left open
+        recommend(client, sid, start=True, end=False)
+    client.close()
+    t0 = time.monotonic()
+    r = server_cli("stop", *cli_server["common"], env=clean_env())
+    took = time.monotonic() - t0
+    print(f"CLI stop with 3 open sessions: {took:.1f} s ({r.stdout.strip()})")
+    assert r.returncode == 0 and "by SIGTERM" in r.stdout, r.stdout + r.stderr
+    assert took < STOP_BOUND_S, took
+    assert not running(info["pid"]) and not running(info["watchdog_pid"])
+    assert not cli_server["pid_file"].exists()
+    # the stubs follow their server out
+    deadline = time.monotonic() + 10
+    while stub_processes_of(repo):
+        assert time.monotonic() < deadline, f"stub processes outlived the server: {stub_processes_of(repo)}"
+        time.sleep(0.2)
+
+
+def test_class_with_watchdog_stops_by_sigterm_with_open_sessions(repo, tmp_path):
+    server = TritonServer(
+        repo, free_port(), free_port(), free_port(), log_file=tmp_path / "tritonserver.log",
+        admin_key="k" * 32, watchdog=True, ready_port=free_port(),
+    )
+    server.start(timeout_s=120)
+    try:
+        assert running(server.watchdog_pid) and get(server.ready_url + "/ready")[0] == 200
+        client = grpcclient.InferenceServerClient(server.grpc_url)
+        for sid in (81, 82, 83):
+            recommend(client, sid, start=True, end=False)
+        client.close()
+    finally:
+        t0 = time.monotonic()
+        code = server.stop()
+        took = time.monotonic() - t0
+        print(f"TritonServer.stop with 3 open sessions: {took:.1f} s, exit code {code}")
+    assert server.watchdog_process.returncode is not None  # stopped first, by us
+    assert code is not None and code != -signal.SIGKILL, code  # the server's own exit after SIGTERM
+    assert took < STOP_BOUND_S, took
