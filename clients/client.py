@@ -212,7 +212,7 @@ class RecommenderClient:
     ):
         self.url, self.model, self.timeout_s = url, model, timeout_s
         self.retries, self.backoff_s = int(retries), float(backoff_s)
-        self.headers = dict(headers or {})  # e.g. the balancer's session-affinity header
+        self.headers = dict(headers or {})  # sent with every request
         self._client = grpcclient.InferenceServerClient(url, verbose=verbose)
         self._sessions: dict = {}
         self._lock = threading.Lock()
@@ -325,12 +325,13 @@ class RecommenderClient:
         idempotent = events_before is not None or n_events == 0
         start = start or not state.visit
         requested = [grpcclient.InferRequestedOutput(o.name) for o in outputs]
+        headers = {**self.headers, P.SESSION_HEADER: str(session_id)}  # a balancer keeps the session on one server
         t0 = time.perf_counter()
         for attempt in range(self.retries + 1):
             try:
                 result = self._client.infer(
                     self.model, inputs, outputs=requested, sequence_id=sid, sequence_start=start, sequence_end=end,
-                    client_timeout=self.timeout_s, headers=self.headers or None,
+                    client_timeout=self.timeout_s, headers=headers,
                 )
                 break
             except InferenceServerException as e:

@@ -89,6 +89,11 @@ CONTROL_START = "START"
 CONTROL_END = "END"
 CONTROL_READY = "READY"
 
+# The request header that carries the session id, so a balancer in front of several servers can
+# keep a session's requests on one of them (consistent hashing); the client library sets it.
+SESSION_HEADER = "x-session-key"
+
+
 def session_key(sequence_id) -> str:
     """The event log's and the session cache's key of a session: integer and string sequence ids
     never collide ("i:42" vs "s:42")."""

@@ -95,7 +95,8 @@ class RedisServer:
             "--protected-mode", "yes",
         ]
         with open(self.data_dir / LOG_FILE, "ab") as log:
-            self._proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+            self._proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                          start_new_session=True)  # a terminal's Ctrl-C is ours to handle
         atexit.register(self._kill_at_exit)
         deadline = time.monotonic() + self.startup_timeout_s
         while True:
@@ -130,6 +131,13 @@ class RedisServer:
             self._proc.kill()
         self._proc.wait()
         self._forget()
+
+    def detach(self) -> int:
+        """Leave the server running after this process exits (a command that starts a cluster);
+        returns its pid."""
+        pid = self.pid
+        self._forget()
+        return pid
 
     def _forget(self):
         atexit.unregister(self._kill_at_exit)
