@@ -137,6 +137,24 @@ def publish(
     return done
 
 
+def current_options(repository) -> ServingOptions | None:
+    """The serving options the newest version of the repository was published with (None if
+    there is none), so a new version can keep them."""
+    import dataclasses
+
+    from backend_src.config import DecodeOptions
+
+    model_dir = Path(repository) / P.ENCODER
+    vs = versions(model_dir)
+    if not vs:
+        return None
+    saved = json.loads((model_dir / str(vs[-1]) / "publish.json").read_text())["serving_options"]
+    known = {f.name for f in dataclasses.fields(ServingOptions)}
+    opts = {k: v for k, v in saved.items() if k in known}
+    opts["decode"] = DecodeOptions(**opts["decode"])
+    return ServingOptions(**opts)
+
+
 def _export_ranker(checkpoint: Path, vdir: Path) -> None:
     """ranker.onnx (always) and ranker.plan (where TensorRT can build one) for this version."""
     from backend_src.model.recommender import GenerativeRecommender

@@ -1,0 +1,128 @@
+"""Beyond one server, with real processes: two tritonserver replicas over one model repository,
+one Redis event log, nginx hashing the session header. Sessions stay on one replica, carry on
+when a replica dies and when it comes back, and a new version rolls out replica by replica.
+"""
+import subprocess
+import sys
+import time
+
+import pytest
+
+from backend_src.serving.cluster import LocalCluster, nginx_binary
+from backend_src.serving.redis_server import redis_server_binary
+from backend_src.serving.server import free_port
+from export import publish as pub
+from export.triton_configs import ServingOptions
+
+pytestmark = pytest.mark.server
+pytest.importorskip("tritonclient.grpc")
+
+from clients.client import RecommenderClient  # noqa: E402
+from serving_helpers import build_tiny_checkpoint, require_tritonserver  # noqa: E402
+from test_sessions_server import DECODE, MAX_HISTORY, NUM_ITEMS, events, item_id, offline_ids  # noqa: E402
+
+SESSIONS = 12
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    require_tritonserver()
+    if redis_server_binary() is None or nginx_binary() is None:
+        pytest.skip("a local cluster needs Debian's redis-server and nginx")
+    tmp = tmp_path_factory.mktemp("cluster")
+    item_ids = [None] + [item_id(i) for i in range(1, NUM_ITEMS + 1)]
+    ckpts = tmp / "v1.pt", tmp / "v2.pt"
+    for seed, c in enumerate(ckpts, start=1):
+        build_tiny_checkpoint(c, item_ids, MAX_HISTORY, seed=seed)
+    repo = tmp / "model_repository"
+    options = ServingOptions(decode=DECODE, top_k=5, visit_idle_s=5, max_queue_delay_us=500, ranker_backend="torch")
+    pub.publish(ckpts[0], repo, options, export_ranker=False)
+    with LocalCluster(repo, replicas=2, workdir=tmp / "run") as c:
+        yield {"cluster": c, "ckpts": ckpts, "options": options, "tmp": tmp}
+
+
+def _metric(replica, name: str) -> float:
+    from perf.bench_sessions import scrape
+
+    return scrape(replica.metrics_port).get(name, 0.0)
+
+
+def _logged(cluster, sid):
+    from backend_src.serving.event_log import open_event_log
+
+    with open_event_log(cluster.redis.url) as log:
+        return log.tail(f"s:{sid}", 1000)
+
+
+def test_sessions_stay_on_one_replica_and_survive_a_replica(cluster):
+    c, v1 = cluster["cluster"], cluster["ckpts"][0]
+    sent = {}
+    with RecommenderClient(c.url, timeout_s=10, retries=12) as client:
+        for u in range(SESSIONS):
+            items, actions, ts = events(u, 6)
+            client.open_session(f"c-{u}", items, actions, ts, top_k=5)
+            sent[u] = 6
+        cached = [_metric(r, "genrec_session_cache_sessions") for r in c.replicas]
+        assert sum(cached) == SESSIONS and min(cached) > 0  # each session on exactly one replica, both used
+
+        c.kill_replica(0)  # a crashed machine: its sessions move to the other replica, rebuilt from the log
+        for u in range(SESSIONS):
+            items, actions, ts = events(u, 8)
+            rec = client.append(f"c-{u}", items[6:8], actions[6:8], ts[6:8], top_k=5)
+            assert rec.event_count == 8
+            sent[u] = 8
+        assert _metric(c.replicas[1], "genrec_session_cache_sessions") == SESSIONS
+
+        c.restart_replica(0)  # back: its share of the sessions returns (after nginx's fail_timeout)
+        time.sleep(6)
+        for u in range(SESSIONS):
+            items, actions, ts = events(u, 9)
+            rec = client.append(f"c-{u}", items[8:9], actions[8:9], ts[8:9], top_k=5)
+            assert rec.event_count == 9 and rec.item_ids == offline_ids(v1, items, actions, ts), u
+    moved = _metric(c.replicas[0], "genrec_sessions_restored_total")
+    assert 0 < moved < SESSIONS  # only the returning replica's share moved back
+    for u in range(SESSIONS):
+        items, _, ts = events(u, 9)
+        got = _logged(c, f"c-{u}")
+        assert (got.count, got.items, got.timestamps) == (9, items, ts)
+
+
+def test_a_new_version_rolls_out_replica_by_replica(cluster):
+    c = cluster["cluster"]
+    assert pub.current_options(c.repository) == cluster["options"]  # what a new version keeps by default
+    pub.publish(cluster["ckpts"][1], c.repository, cluster["options"], server=c.replica_urls, admin_key=c.admin_key,
+                export_ranker=False)
+    import tritonclient.grpc as grpcclient
+
+    for url in c.replica_urls:
+        meta = grpcclient.InferenceServerClient(url)
+        assert meta.get_model_metadata("history_encoder").versions == ["2"], url
+        meta.close()
+    with RecommenderClient(c.url) as client:
+        rec = client.recommend("c-0", top_k=5)
+    assert rec.restored and rec.event_count == 9
+
+
+def test_cluster_command_starts_and_stops(cluster):
+    from backend_src.serving.server import _alive
+
+    import json
+
+    tmp = cluster["tmp"]
+    run = lambda *a: subprocess.run([sys.executable, "-m", "backend_src.serving.cluster", *a, "--dir", str(tmp / "cli")],  # noqa: E731
+                                    capture_output=True, text=True, timeout=300)
+    port = free_port()
+    r = run("start", "--model-repository", str(cluster["cluster"].repository), "--replicas", "1", "--port", str(port))
+    assert r.returncode == 0, r.stderr
+    try:
+        state = json.loads((tmp / "cli" / "cluster.json").read_text())
+        with RecommenderClient(f"127.0.0.1:{port}") as client:
+            items, actions, ts = events(99, 3)
+            assert client.open_session("cli-0", items, actions, ts, top_k=5).event_count == 3
+        assert run("status").returncode == 0
+    finally:
+        t0 = time.monotonic()
+        r = run("stop")
+    assert r.returncode == 0 and time.monotonic() - t0 < 30
+    pids = [state["balancer"]["pid"], state["redis"]["pid"]] + [x["pid"] for x in state["replicas"]]
+    assert not any(_alive(p) for p in pids)
