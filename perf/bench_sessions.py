@@ -33,6 +33,7 @@ import sys
 import threading
 import time
 import urllib.request
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -344,11 +345,18 @@ class SessionLoad:
     """`threads` client threads, each with its own sessions: open with `history` events, then one
     event a request. Keeps, per session, the events acknowledged and the time of every success."""
 
-    def __init__(self, url: str, threads: int, items: int, history: int = 4, timeouts: bool = False):
+    def __init__(self, url: str, threads: int, items: int, history: int = 4, timeouts: bool = False, length: int = 400,
+                 events=None):
         self.url, self.threads, self.items, self.history, self.timeouts = url, threads, items, history, timeouts
+        self.length = length  # events a session reaches (at most) before its client moves on to a new one
+        self.tag = uuid.uuid4().hex[:6]  # session ids unique to this load
+        # events(u, n) -> the first n events of user u (items, actions, timestamps); synthetic by default
+        self.events = events or (lambda u, n: user_events(u, n, items))
         self.stop = threading.Event()
         self.lock = threading.Lock()
         self.acked: dict = {}  # session -> events acknowledged
+        self.first_ok: dict = {}  # session -> time of its first success
+        self.last_ok: dict = {}  # session -> time of its last success
         self.sent: dict = {}  # session -> events sent (acknowledged or not)
         self.failed: list = []
         self.lost: set = set()
@@ -367,14 +375,14 @@ class SessionLoad:
         with RecommenderClient(self.url, timeout_s=10, retries=12, backoff_s=0.1) as c:
             s = 0
             while not self.stop.is_set():
-                sid = f"w{w}-s{s}"
+                sid = f"{self.tag}-w{w}-s{s}"
                 u = 1000 * (w + 1) + s
-                items, actions, ts = user_events(u, 400, self.items)
-                n = self.history
+                items, actions, ts = self.events(u, self.length)
+                n = min(self.history, len(items))
                 try:
                     c.open_session(sid, items[:n], actions[:n], ts[:n])
                     self._ok(sid, n, n)
-                    while n < 400 and not self.stop.is_set():
+                    while n < len(items) and not self.stop.is_set():
                         if self.timeouts and n % 3 == 0:  # a client that gives up too early, then retries
                             inputs = event_inputs(items[n:n + 1], actions[n:n + 1], ts[n:n + 1])[0]
                             before = grpcclient.InferInput(P.EVENTS_BEFORE.name, [1, 1], "INT64")
@@ -404,6 +412,8 @@ class SessionLoad:
 
     def _ok(self, sid, acked, sent):
         with self.lock:
+            self.last_ok[sid] = time.monotonic()
+            self.first_ok.setdefault(sid, self.last_ok[sid])
             self.acked[sid] = acked
             self.sent[sid] = max(self.sent.get(sid, 0), sent)
             self.ok_times.append(time.monotonic())
@@ -426,9 +436,9 @@ class SessionLoad:
         exact = True
         with open_event_log(log_url) as log:
             sessions = sorted(self.acked)
-            for sid, got in zip(sessions, log.tails([f"s:{sid}" for sid in sessions], 400)):
-                w, s = (int(x[1:]) for x in sid.split("-"))
-                items, _, ts = user_events(1000 * (w + 1) + s, got.count, self.items)
+            for sid, got in zip(sessions, log.tails([f"s:{sid}" for sid in sessions], self.length)):
+                w, s = (int(x[1:]) for x in sid.split("-")[1:])
+                items, _, ts = self.events(1000 * (w + 1) + s, got.count)
                 exact &= got.items == items and got.timestamps == ts
                 lost += max(0, self.acked[sid] - got.count)  # acknowledged, not in the log
                 doubled += max(0, got.count - self.sent[sid])  # in the log more often than sent
