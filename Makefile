@@ -15,7 +15,7 @@ export MALLOC_MMAP_THRESHOLD_ ?= 33554432
 export MALLOC_TRIM_THRESHOLD_ ?= 4294967296
 export MALLOC_TOP_PAD_ ?= 268435456
 
-.PHONY: setup test test-fast demo bench bench-offline bench-served bench-gpu check-triton36 train-beauty train-beauty-refit baselines-beauty train-ml1m ablation-ml1m clean
+.PHONY: setup test test-fast demo bench bench-offline bench-served bench-sessions bench-scaleout bench-gpu check-triton36 train-beauty train-beauty-refit baselines-beauty train-ml1m ablation-ml1m clean
 
 ## setup: the pinned environment (torch 2.13.0 CPU build, Triton server 2.51 from nvidia-pytriton)
 setup: .venv/.installed
@@ -67,6 +67,16 @@ bench-served: setup $(LOCUST_VENV)/.installed $(BENCH_MODEL)
 	$(SHARED_CORES) $(PY) -m perf.served --checkpoint $(BENCH_MODEL) --data ml-1m $(BENCH_USERS) --beam-width 100 --pfa-k 256 \
 		$(if $(QUICK),--quick) --locust --locust-bin $(LOCUST_VENV)/bin/locust --out perf/results/served_ml1m.json
 	$(PY) -m perf.report
+
+## sessions at scale (100,000 users, a 1,000,000-user log), under faults, and the event log's cost (~40 min)
+bench-sessions: setup
+	$(SHARED_CORES) $(PY) -m perf.bench_sessions faults
+	$(SHARED_CORES) $(PY) -m perf.bench_sessions log-cost
+	$(SHARED_CORES) $(PY) -m perf.bench_sessions scale
+
+## two replicas behind nginx with a Redis log, real ML-1M users (needs Debian's redis-server and nginx)
+bench-scaleout: setup $(RUNS)/bench/model.pt
+	$(SHARED_CORES) $(PY) -m perf.bench_scaleout --checkpoint $(RUNS)/bench/model.pt --data ml-1m --max-users 600
 
 ## the kernels under triton 3.6 (the GPU host's release): interpreter tests + sm_90 compile
 check-triton36: setup

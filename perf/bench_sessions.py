@@ -38,21 +38,8 @@ from pathlib import Path
 
 import numpy as np
 
-from backend_src.results import REPO_ROOT, markdown_table, write_result
-
-RESULTS_DIR = REPO_ROOT / "perf" / "results"
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
-def pct(samples_ms) -> dict:
-    a = np.asarray(samples_ms, dtype=float)
-    if a.size == 0:
-        return {"n": 0}
-    return {"n": int(a.size), "p50_ms": float(np.percentile(a, 50)), "p99_ms": float(np.percentile(a, 99)),
-            "max_ms": float(a.max())}
+from backend_src.results import markdown_table, write_result
+from perf.served import RESULTS_DIR, log, pct
 
 
 # --------------------------------------------------------------------------------------------
@@ -568,7 +555,7 @@ def main(argv=None) -> int:
     result = scale(a)
     rows = result.pop("rows")
     write_result(a.out, rows, **result)
-    print(markdown_table(rows, ["phase", "users", "n", "p50_ms", "p99_ms", "max_ms", "hangs", "errors", "restored"], ".1f"))
+    print(markdown_table(rows, ["phase", "users", "n", "p50_ms", "p95_ms", "p99_ms", "hangs", "errors", "restored"], ".1f"))
     print({k: result[k] for k in ("users_opened", "users_resumed", "hangs", "errors", "session_bytes_peak", "session_bytes_bound")})
     return 0
 

@@ -202,6 +202,13 @@ def check_decoder_inputs(states: np.ndarray, max_history: int) -> None:
     _check_finite(states, "HISTORY_STATES")
 
 
+def _one_size(problem: str, sizes: dict, layout: str) -> int:
+    """The one size that every input in `sizes` (name -> size) must share."""
+    if len(set(sizes.values())) > 1:
+        raise RequestError(f"{problem}: " + ", ".join(f"{k} has {v}" for k, v in sizes.items()) + f" ({layout})")
+    return next(iter(sizes.values()))
+
+
 def check_ranker_inputs(
     keys: np.ndarray,  # HISTORY_KEYS [1, L, n, H, DH]
     values: np.ndarray,  # HISTORY_VALUES [1, L, n, H, DH]
@@ -219,35 +226,21 @@ def check_ranker_inputs(
     """mfalcon_ranker: one n across the history inputs, one W across the candidate inputs, and
     values in range (an empty beam is item 0 with log-prob -inf and codes -1)."""
     # shapes first: the value checks below index the inputs together
-    rows = {
-        "HISTORY_KEYS": keys.shape[2],
-        "HISTORY_VALUES": values.shape[2],
-        "HISTORY_TIMESTAMPS": timestamps.shape[1],
-        "HISTORY_ITEMS": history_items.shape[1],
-    }
-    if len(set(rows.values())) > 1:
-        raise RequestError(
-            "history inputs disagree on the number of rows n: "
-            + ", ".join(f"{k} has {v}" for k, v in rows.items())
-            + " (HISTORY_KEYS / HISTORY_VALUES [1, L, n, H, DH], HISTORY_TIMESTAMPS / HISTORY_ITEMS [1, n])"
-        )
-    n = rows["HISTORY_KEYS"]
+    n = _one_size(
+        "history inputs disagree on the number of rows n",
+        {"HISTORY_KEYS": keys.shape[2], "HISTORY_VALUES": values.shape[2], "HISTORY_TIMESTAMPS": timestamps.shape[1],
+         "HISTORY_ITEMS": history_items.shape[1]},
+        "HISTORY_KEYS / HISTORY_VALUES [1, L, n, H, DH], HISTORY_TIMESTAMPS / HISTORY_ITEMS [1, n]",
+    )
     if n == 0:
         raise RequestError("HISTORY_KEYS has no rows: empty history, nothing to rank against")
     if n > max_history:
         raise RequestError(f"HISTORY_KEYS has {n} history rows, more than the model's max history {max_history}")
-    beams = {
-        "CANDIDATE_ITEMS": candidates.shape[1],
-        "CANDIDATE_LOG_PROBS": log_probs.shape[1],
-        "CANDIDATE_CODES": codes.shape[1],
-    }
-    if len(set(beams.values())) > 1:
-        raise RequestError(
-            "candidate inputs disagree on the number of candidates W: "
-            + ", ".join(f"{k} has {v}" for k, v in beams.items())
-            + " (CANDIDATE_ITEMS / CANDIDATE_LOG_PROBS [1, W], CANDIDATE_CODES [1, W, C])"
-        )
-    W = beams["CANDIDATE_ITEMS"]
+    W = _one_size(
+        "candidate inputs disagree on the number of candidates W",
+        {"CANDIDATE_ITEMS": candidates.shape[1], "CANDIDATE_LOG_PROBS": log_probs.shape[1], "CANDIDATE_CODES": codes.shape[1]},
+        "CANDIDATE_ITEMS / CANDIDATE_LOG_PROBS [1, W], CANDIDATE_CODES [1, W, C]",
+    )
     if W == 0:
         raise RequestError("CANDIDATE_ITEMS is empty: nothing to rank")
     if W > max_candidates:
