@@ -281,3 +281,23 @@ def test_a_redis_event_log_shared_by_two_servers(served, monkeypatch):
         finally:
             for s in servers:
                 s.stop(grace_s=10)
+
+
+def test_more_open_visits_than_slots_wait_at_most_the_visit_idle_time(served, tmp_path):
+    """Sequence slots are not the limit on how many users a server knows: with 2 slots, a third
+    visit opened while two others stay open is served once the idle ones end (visit_idle_s),
+    never left hanging; and sessions whose visits ended are resumed without any wait."""
+    options = ServingOptions(decode=DECODE, top_k=TOP_K, visit_idle_s=1, max_candidate_sequences=2,
+                             max_queue_delay_us=500, ranker_backend="torch")
+    repo = tmp_path / "model_repository"
+    pub.publish(served["ckpts"][0], repo, options, export_ranker=False)
+    with TritonServer(repo, free_port(), free_port(), free_port(), log_file=tmp_path / "slots.log", exit_timeout_s=2) as server:
+        with RecommenderClient(server.grpc_url, timeout_s=20, retries=0) as c:
+            for u in range(2):  # two visits left open
+                c.open_session(f"slot-{u}", *events(u, 3), **OPTS)
+            t0 = time.monotonic()
+            rec = c.open_session("slot-2", *events(2, 3), **OPTS)
+            waited = time.monotonic() - t0
+            assert rec.event_count == 3 and waited < 1 + 5  # the idle timeout, plus scheduling slack
+            for u in range(20):  # visits of one request each never hold a slot
+                assert c.open_session(f"short-{u}", *events(u, 3), end_visit=True, **OPTS).event_count == 3
