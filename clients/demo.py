@@ -137,7 +137,7 @@ def main(argv=None) -> int:
             t0 = time.perf_counter()
             client.close_session(sid)
             latencies.append((time.perf_counter() - t0) * 1e3)
-            say(f"  closed (the server freed the session's history)")
+            say("  visit closed (the server keeps the session in its event log for the next visit)")
         client.close()
     finally:
         # (e) shut down
