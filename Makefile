@@ -41,7 +41,7 @@ test-fast: setup
 
 ## demo: train a small model on $(DATA), publish it, serve it, query it over gRPC, shut down
 demo: setup
-	$(SHARED_CORES) $(PY) -m clients.demo --data $(DATA) --dir $(RUNS)/demo
+	$(SHARED_CORES) $(PY) -m examples.demo --data $(DATA) --dir $(RUNS)/demo
 
 ## bench: offline benchmarks (decode, ranking, caching), then the served ones (perf_analyzer, locust)
 bench: bench-offline bench-served

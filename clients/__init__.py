@@ -1,5 +1,9 @@
-"""Clients of the served recommender: a gRPC client library, a command line, an example
-service that replays real user sessions, quality through the served path and the demo."""
+"""Client of the served recommender: the gRPC client library and its command line.
+
+Needs numpy and tritonclient only (no torch): besides this package it reads the tensor contract,
+``backend_src.serving.protocol``. Installable on its own as the distribution ``genrec-client``
+(pyproject.toml at the repository root). The demo and the replay service are in ``examples/``,
+the served-path evaluation in ``perf/served_eval.py``."""
 from .client import Recommendation, RecommenderClient, RecommenderError, SessionLost
 
 __all__ = ["Recommendation", "RecommenderClient", "RecommenderError", "SessionLost"]

@@ -359,8 +359,8 @@ def main(argv=None) -> int:
     from backend_src.config import DecodeOptions
     from backend_src.data import load_dataset
     from backend_src.model.recommender import GenerativeRecommender
-    from clients.served_eval import local_server
     from export.triton_configs import ServingOptions
+    from perf.served_eval import local_server
 
     if not Path(a.checkpoint).exists():
         log(f"no checkpoint at {a.checkpoint}: run `make demo` (or export.train) first, or pass --checkpoint")

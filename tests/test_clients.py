@@ -34,8 +34,8 @@ OPTIONS = dict(top_k=TOP_K, exclude_seen=False, beam_width=DECODE.beam_width, mo
 def served(tmp_path_factory):
     from backend_src.data import load_dataset
     from backend_src.model.recommender import GenerativeRecommender
-    from clients.served_eval import local_server
     from export.triton_configs import ServingOptions
+    from perf.served_eval import local_server
 
     require_tritonserver()
     tmp = tmp_path_factory.mktemp("clients")
@@ -125,7 +125,7 @@ def test_cli_health_and_session(served):
 
 
 def test_replay_service(served):
-    from clients.replay_service import replay, sessions_from_data
+    from examples.replay_service import replay, sessions_from_data
 
     sessions = sessions_from_data(served["data"], users=4, max_events=12)
     out = replay(served["url"], sessions, concurrency=2, seconds=5, max_appends=3, **OPTIONS)
@@ -135,7 +135,7 @@ def test_replay_service(served):
 
 
 def test_served_eval_equals_offline(served):
-    from clients.served_eval import served_eval
+    from perf.served_eval import served_eval
 
     res = served_eval(served["model"], served["data"], served["url"], 20, DECODE, top_k=TOP_K, concurrency=2)
     assert res["users"] == 20

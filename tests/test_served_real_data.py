@@ -19,8 +19,8 @@ DECODE = DecodeOptions(mode="pfa", beam_width=20, k=16, r=0.5, selection_step=1)
 def real(tmp_path_factory, data_dir):
     from backend_src.data import load_dataset
     from backend_src.training import build_model
-    from clients.served_eval import local_server
     from export.triton_configs import ServingOptions
+    from perf.served_eval import local_server
 
     require_tritonserver()
     data = load_dataset(str(data_dir / "ml-100k"), max_users=60)
@@ -42,7 +42,7 @@ def test_ranker_is_served_from_onnx(real):
 
 
 def test_served_equals_offline_on_real_users(real):
-    from clients.served_eval import served_eval
+    from perf.served_eval import served_eval
 
     torch.manual_seed(0)
     res = served_eval(real["model"], real["data"], real["url"], 25, DECODE, top_k=10, concurrency=2)
@@ -54,7 +54,7 @@ def test_served_equals_offline_on_real_users(real):
 def test_served_lists_without_seen_items_equal_offline(real):
     """EXCLUDE_SEEN: the ranker leaves out the candidates already in the session's history and
     orders the rest with the checkpoint's second weight, as GenerativeRecommender.recommend does."""
-    from clients.served_eval import eval_histories, offline_topk, served_topk
+    from perf.served_eval import eval_histories, offline_topk, served_topk
 
     batch = eval_histories(real["model"], real["data"], 25)
     kept, _ = served_topk(real["url"], real["model"], batch, DECODE, 10, concurrency=2)

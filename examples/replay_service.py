@@ -6,7 +6,7 @@ site would send them while the user browses. Several sessions run at once (threa
 it prints per-request latency percentiles (open / append / all) and the hit rate: how often the
 user's next event was in the top-K recommended just before it.
 
-    python -m clients.replay_service --url localhost:8001 --data synthetic --users 50 --concurrency 4 --seconds 30
+    python -m examples.replay_service --url localhost:8001 --data synthetic --users 50 --concurrency 4 --seconds 30
 """
 from __future__ import annotations
 
@@ -157,7 +157,7 @@ def replay(
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m clients.replay_service", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m examples.replay_service", description=__doc__.split("\n\n")[0])
     ap.add_argument("--url", default="localhost:8001")
     ap.add_argument("--data", default="synthetic", help="data set name, path, or 'synthetic'")
     ap.add_argument("--users", type=int, default=50)

@@ -1,7 +1,7 @@
 """The end-to-end demo: train a small model, publish it, serve it with Triton, use it over gRPC.
 
-    python -m clients.demo                    # synthetic data, about 2-3 minutes on 2 CPU cores
-    python -m clients.demo --data ml-100k     # a real data set (first --max-users users)
+    python -m examples.demo                    # synthetic data, about 2-3 minutes on 2 CPU cores
+    python -m examples.demo --data ml-100k     # a real data set (first --max-users users)
 
 Steps: (a) train a small generative recommender (export.train, few epochs); (b) publish it into
 a fresh model repository under runs/demo (the tracked model_repository is not touched);
@@ -54,7 +54,7 @@ def train(data_spec: str, out: Path, epochs: int, minutes: float, max_users: int
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m clients.demo", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m examples.demo", description=__doc__.split("\n\n")[0])
     ap.add_argument("--data", default="synthetic")
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--minutes", type=float, default=1.5, help="training time budget")

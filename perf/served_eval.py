@@ -8,8 +8,8 @@ with the same decode options; the report gives both and the share of users whose
 equals the offline list (same items, same order). --exclude-seen asks both for lists without
 the items already in each history.
 
-    python -m clients.served_eval --checkpoint runs/demo/model.pt --data synthetic --users 200 --start-server
-    python -m clients.served_eval --checkpoint ckpt.pt --data amazon-beauty --users 500 --url localhost:8001
+    python -m perf.served_eval --checkpoint runs/demo/model.pt --data synthetic --users 200 --start-server
+    python -m perf.served_eval --checkpoint ckpt.pt --data amazon-beauty --users 500 --url localhost:8001
 """
 from __future__ import annotations
 
@@ -131,7 +131,7 @@ def served_eval(model, data, url: str, users: int | None, options: DecodeOptions
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m clients.served_eval", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m perf.served_eval", description=__doc__.split("\n\n")[0])
     ap.add_argument("--checkpoint", required=True)
     ap.add_argument("--data", default="synthetic")
     ap.add_argument("--max-users", type=int, default=None, help="load only the first N users (as the checkpoint was trained)")
