@@ -93,6 +93,10 @@ class TrainConfig:
     weight_decay: float = 0.0
     stochastic_length_alpha: float = 2.0  # 2.0 = off; seed 001 uses about 1.6 for long histories
     ranker_weight: float = 1.0
+    # the auxiliary dense loss (last state . item embeddings): its weight (0 = off) and the shared
+    # uniform negatives of its sampled softmax (0 = a softmax over the whole catalog)
+    dense_weight: float = 1.0
+    dense_negatives: int = 0
     # "constant", or "cosine": lr decays to lr * lr_min_ratio over the run (its time budget when
     # one is given, else its epochs)
     lr_schedule: str = "constant"
@@ -106,3 +110,16 @@ class TrainConfig:
     code_loss: str = "all"
     seed: int = 0
     extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        # runs from before the named fields passed the dense loss's settings in `extra`
+        extra = dict(self.extra)
+        self.dense_weight = float(extra.pop("dense_weight", self.dense_weight))
+        self.dense_negatives = int(extra.pop("dense_negatives", self.dense_negatives))
+        self.extra = extra
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainConfig":
+        """A saved configuration (a training state's "train_config", a result file's "train"),
+        also one from before the dense_* fields, which had them in "extra"."""
+        return cls(**d)

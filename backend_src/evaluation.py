@@ -15,19 +15,19 @@ from tqdm import tqdm
 from backend_src.config import DecodeOptions
 from backend_src.data.sequences import eval_batches
 from backend_src.metrics import MetricAccumulator
-from backend_src.model.recommender import fuse, seen_in_history
+from backend_src.model.recommender import served_order
 
 SEEN_POLICIES = ("seen_included", "seen_excluded")  # indexed by exclude (False, True)
 
 
-def drop_seen(cands: torch.Tensor, scores: torch.Tensor, history: torch.Tensor, exclude: bool = True) -> torch.Tensor:
-    """Candidates [B, W] sorted by score (best first); with `exclude`, items already in the
-    history [B, N] (and empty slots) fall to the end as 0."""
-    if not exclude:
-        return torch.gather(cands, 1, torch.argsort(scores, dim=1, descending=True, stable=True))
-    seen = seen_in_history(cands, history) | (cands == 0)
-    order = torch.argsort(scores.masked_fill(seen, float("-inf")), dim=1, descending=True, stable=True)
-    return torch.gather(cands, 1, order).masked_fill(torch.gather(seen, 1, order), 0)
+def drop_seen(cands: torch.Tensor, scores: torch.Tensor, history: torch.Tensor, exclude: bool = True,
+              top_k: int | None = None) -> torch.Tensor:
+    """Candidates [B, W] ordered by one score [B, W] (the beam's log-probability, the dense head's)
+    under the served order's rules (`served_order` with that score as the ranker's): best first,
+    ties in candidate order, empty slots (item 0, a score of -inf and, with `exclude`, items
+    already in the history [B, N]) at the end as 0. The first top_k (default: all W)."""
+    top_k = cands.shape[1] if top_k is None else top_k
+    return served_order(scores, scores, cands, history, rank_by="ranker", exclude_seen=exclude, top_k=top_k)[0]
 
 
 @torch.no_grad()
@@ -58,27 +58,31 @@ def evaluate(
         t0 = time.perf_counter()
         beams = model.retrieve(cache, options)
         t_retrieve += time.perf_counter() - t0
-        orders = {"retrieval": (beams.item_ids, beams.log_probs)}
+        # each order ranks through served_order, the server's own: {name: exclude_seen -> items [B, max(ks)]}
+        orders = {"retrieval": lambda excl: drop_seen(beams.item_ids, beams.log_probs, batch.items, excl, max(ks))}
         if rank:
             t0 = time.perf_counter()
             rank_scores = model.rank(cache, beams.item_ids)
             t_rank += time.perf_counter() - t0
-            orders["ranked"] = (beams.item_ids, rank_scores)
-            # product of the two experts: (weighted) ranker logit + retrieval log-probability, with
-            # the weight the checkpoint holds for each seen-item policy
-            orders["fused"] = (beams.item_ids, {excl: fuse(rank_scores, beams.log_probs, model.cfg.fusion_weight(excl))
-                                                for excl in (False, True)})
+
+            def served(excl, rank_by, weight=0.0):
+                return served_order(rank_scores, beams.log_probs, beams.item_ids, batch.items, rank_by=rank_by,
+                                    fusion_weight=weight, exclude_seen=excl, top_k=max(ks))[0]
+
+            orders["ranked"] = lambda excl: served(excl, "ranker")
+            # product of the two experts: w * ranker logit + retrieval log-probability, with the
+            # weight the checkpoint holds for each seen-item policy (as served)
+            orders["fused"] = lambda excl: served(excl, "fused", model.cfg.fusion_weight(excl))
             for w in fusion_weights:
-                orders[f"fused@{w:g}"] = (beams.item_ids, fuse(rank_scores, beams.log_probs, w))
+                orders[f"fused@{w:g}"] = lambda excl, w=w: served(excl, "fused", w)
         if dense:
             scores = model.dense_scores(cache.states[torch.arange(len(batch.lengths)), batch.lengths - 1])
             top = torch.topk(scores, max(options.beam_width, max(ks)) + batch.items.shape[1], dim=1)
-            orders["dense"] = (top.indices, top.values)
-        for name, (cands, scores) in orders.items():
+            orders["dense"] = lambda excl: drop_seen(top.indices, top.values, batch.items, excl, max(ks))
+        for name, ranked in orders.items():
             for excl in (False, True):
-                ranked = drop_seen(cands, scores[excl] if isinstance(scores, dict) else scores, batch.items, exclude=excl)
                 key = f"{name}/{SEEN_POLICIES[excl]}"
-                acc.setdefault(key, MetricAccumulator(ks)).update(ranked[:, : max(ks)], batch.target_items)
+                acc.setdefault(key, MetricAccumulator(ks)).update(ranked(excl), batch.target_items)
     out = {k: a.compute() for k, a in acc.items()}
     n = next(iter(acc.values())).count if acc else 0
     out["timing"] = {"users": n, "retrieve_s": t_retrieve, "rank_s": t_rank}

@@ -91,7 +91,7 @@ def loss_names(tcfg: TrainConfig) -> list[str]:
     names = ["retrieval"]
     if tcfg.ranker_weight > 0:
         names.append("ranking")
-    if tcfg.extra.get("dense_weight", 1.0) > 0:
+    if tcfg.dense_weight > 0:
         names.append("dense")
     return names
 
@@ -114,7 +114,7 @@ def losses(model: GenerativeRecommender, batch, sampler: NegativeSampler, tcfg: 
     An empty share gives zeros that need no backward pass."""
     targets = batch.targets  # [B, N] next item per position, 0 = none
     valid = targets > 0
-    dense_weight = tcfg.extra.get("dense_weight", 1.0)
+    dense_weight = tcfg.dense_weight
     if tcfg.ranker_weight > 0:
         # one random position per user: its next item against sampled negatives
         n_valid = valid.sum(1)
@@ -123,7 +123,7 @@ def losses(model: GenerativeRecommender, batch, sampler: NegativeSampler, tcfg: 
         negatives = sampler.sample(positives, model.cfg.ranker_negatives, gen)
     dense_negatives = None
     if dense_weight > 0:
-        n_neg = tcfg.extra.get("dense_negatives", 0)
+        n_neg = tcfg.dense_negatives
         dense_negatives = torch.randint(1, model.cfg.num_items + 1, (n_neg,), generator=gen) if n_neg > 0 else None
 
     share = {}

@@ -75,8 +75,9 @@ def parse_args(argv=None):
     p.add_argument("--alpha", type=float, default=2.0, help="stochastic length alpha (2 = off)")
     p.add_argument("--shared-kv", action="store_true", help="PFA ablation: one K/V projection for all steps")
     p.add_argument("--ranker-weight", type=float, default=1.0)
-    p.add_argument("--dense-weight", type=float, default=1.0)
-    p.add_argument("--dense-negatives", type=int, default=0,
+    p.add_argument("--dense-weight", type=float, default=TrainConfig.dense_weight,
+                   help="weight of the auxiliary dense loss (0: off)")
+    p.add_argument("--dense-negatives", type=int, default=TrainConfig.dense_negatives,
                    help="sampled softmax for the dense head with this many shared uniform negatives (0: whole catalog)")
     p.add_argument("--dense-temperature", type=float, default=0.0,
                    help="> 0: the dense head scores cosine similarity / this temperature (0: dot product)")
@@ -138,7 +139,8 @@ def run(args, device):
         end_offset=1 if args.refit else 2,
         code_loss=args.code_loss,
         seed=args.seed,
-        extra={"dense_weight": args.dense_weight, "dense_negatives": args.dense_negatives},
+        dense_weight=args.dense_weight,
+        dense_negatives=args.dense_negatives,
     )
     say(f"{data.name}: {data.num_users} users, {data.num_items} items, {len(data.items)} events")
     if args.resume:

@@ -7,7 +7,7 @@ import torch
 from backend_src.config import DecodeOptions, ModelConfig
 from backend_src.data.synthetic import generate_synthetic
 from backend_src.evaluation import evaluate, tune_fusion_weight
-from backend_src.model.recommender import fuse
+from backend_src.model.recommender import fuse, served_order
 from backend_src.training import build_model
 
 DECODE = DecodeOptions(mode="pfa", beam_width=12, k=8)
@@ -64,14 +64,108 @@ def test_recommend_ranks_by_the_weighted_sum(small):
     model.cfg.rank_fusion_weight, model.cfg.rank_fusion_weight_seen_excluded = 0.3, 2.0
     try:
         rec = model.recommend(cache, DECODE, top_k=5)
-        rec_excl = model.recommend(cache, DECODE, top_k=5, exclude_seen=True, history_items=batch.items)
+        # every beam, so that the list holds excluded (empty) slots too
+        rec_excl = model.recommend(cache, DECODE, top_k=DECODE.beam_width, exclude_seen=True, history_items=batch.items)
     finally:
         model.cfg.rank_fusion_weight, model.cfg.rank_fusion_weight_seen_excluded = 1.0, None
     for got, expected in ((rec, fuse(rank, beams.log_probs, 0.3)),
                           (rec_excl, fuse(rank, beams.log_probs, 2.0).masked_fill(seen, float("-inf")))):
-        top = torch.topk(expected, 5, dim=1)
+        top = torch.topk(expected, got.items.shape[1], dim=1)
         torch.testing.assert_close(got.rank_scores, top.values)
         assert torch.equal(got.items, torch.gather(beams.item_ids, 1, top.indices).masked_fill(torch.isinf(top.values), 0))
+        empty = got.items == 0  # an empty slot carries no log-probability and no semantic ID
+        assert torch.isneginf(got.log_probs[empty]).all() and (got.codes[empty] == -1).all()
+    assert (rec_excl.items == 0).any()  # the check above saw excluded slots
+
+
+# ---- served_order: the one served order (model.recommend, the mfalcon_ranker model, evaluate)
+
+INF = float("-inf")
+
+
+def order(rank, lp, cands, history=None, **kw):
+    kw = {"fusion_weight": 1.0, "rank_by": "fused", "exclude_seen": False, "top_k": 10, **kw}
+    return served_order(torch.tensor(rank), torch.tensor(lp), torch.tensor(cands),
+                        None if history is None else torch.tensor(history), **kw)
+
+
+def test_served_order_fuses_and_sorts_best_first():
+    items, scores, lp, pos = order([[1.0, 3.0, 2.0]], [[-1.0, -2.0, -0.5]], [[7, 8, 9]], fusion_weight=0.5, top_k=3)
+    # 0.5 * rank + lp = [-0.5, -0.5, 0.5]: 9 first, then the tie 7, 8 in candidate order
+    assert items.tolist() == [[9, 7, 8]] and pos.tolist() == [[2, 0, 1]]
+    assert scores.tolist() == [[0.5, -0.5, -0.5]] and lp.tolist() == [[-0.5, -1.0, -2.0]]
+    items, scores, _, _ = order([[1.0, 3.0, 2.0]], [[-1.0, -2.0, -0.5]], [[7, 8, 9]], rank_by="ranker", top_k=3)
+    assert items.tolist() == [[8, 9, 7]] and scores.tolist() == [[3.0, 2.0, 1.0]]  # the logit alone
+    with pytest.raises(ValueError, match="rank_by"):
+        order([[1.0]], [[0.0]], [[1]], rank_by="retrieval")
+
+
+def test_served_order_ties_keep_the_candidate_order():
+    n = 40  # long enough that an unstable sort would shuffle some ties
+    rank = torch.tensor([[1.0, 2.0] * (n // 2)])
+    items, _, _, pos = served_order(rank, torch.zeros(1, n), torch.arange(1, n + 1)[None], rank_by="ranker", top_k=n)
+    assert pos.tolist() == [list(range(1, n, 2)) + list(range(0, n, 2))]
+    assert torch.equal(items, pos + 1)
+
+
+def test_served_order_empty_and_unscored_candidates_become_empty_slots():
+    # an empty beam (0) with a finite log-prob, a real item the ranker scores -inf, a NaN, and
+    # weight 0 (0 * -inf is NaN, never a score): all four end up last as item 0 / -inf / -inf
+    rank = [[2.0, 1.0, INF, float("nan"), 0.5]]
+    lp = [[-1.0, -1.0, -1.0, -1.0, -2.0]]
+    cands = [[4, 0, 5, 6, 7]]
+    for w in (1.0, 0.0):
+        items, scores, out_lp, _ = order(rank, lp, cands, fusion_weight=w, top_k=5)
+        assert items.tolist() == [[4, 7, 0, 0, 0]]
+        assert torch.isfinite(scores[0, :2]).all() and torch.isneginf(scores[0, 2:]).all()
+        assert out_lp.tolist() == [[-1.0, -2.0, INF, INF, INF]]
+
+
+def test_served_order_exclude_seen_removes_history_items():
+    rank, lp, cands = [[3.0, 2.0, 1.0], [3.0, 2.0, 1.0]], [[0.0] * 3] * 2, [[5, 6, 7], [5, 6, 7]]
+    history = [[6, 9, 0], [5, 0, 0]]  # padded with 0
+    items, _, _, _ = order(rank, lp, cands, history, exclude_seen=True, top_k=3)
+    assert items.tolist() == [[5, 7, 0], [6, 7, 0]]
+    items, _, _, _ = order(rank, lp, cands, history, exclude_seen=False, top_k=3)
+    assert items.tolist() == [[5, 6, 7], [5, 6, 7]]
+    # one policy per row (the server batches requests of both)
+    items, _, _, _ = order(rank, lp, cands, history, exclude_seen=torch.tensor([False, True]), top_k=3)
+    assert items.tolist() == [[5, 6, 7], [6, 7, 0]]
+    with pytest.raises(ValueError, match="history_items"):
+        order(rank, lp, cands, None, exclude_seen=True)
+
+
+def test_served_order_top_k_larger_than_the_candidates():
+    items, scores, lp, pos = order([[1.0, INF, 2.0]], [[0.0, INF, 0.0]], [[3, 0, 4]], top_k=10)
+    assert items.shape == scores.shape == lp.shape == pos.shape == (1, 3)  # every candidate, none invented
+    assert items.tolist() == [[4, 3, 0]] and torch.isneginf(scores[0, 2])
+    assert order([[1.0, 2.0]], [[0.0, 0.0]], [[3, 4]], top_k=1)[0].tolist() == [[4]]
+
+
+def test_served_order_of_a_padded_batch_equals_each_request_alone():
+    """The ranker model pads requests of different lengths into one batch, each with its own
+    weight and seen-item policy; each request's first min(top_k, W) slots are its own order."""
+    g = torch.Generator().manual_seed(0)
+    reqs = []
+    for w_len, excl, weight in ((6, False, 0.5), (3, True, 2.0), (5, True, 0.0)):
+        cands = torch.randint(1, 9, (w_len,), generator=g)
+        cands[-1] = 0  # an empty beam
+        rank = torch.randn(w_len, generator=g).round().masked_fill(cands == 0, INF)  # rounded: ties
+        reqs.append((rank, torch.randn(w_len, generator=g).round(), cands, torch.randint(0, 9, (4,), generator=g), excl, weight))
+    pad = torch.nn.utils.rnn.pad_sequence
+    batched = served_order(
+        pad([r[0] for r in reqs], batch_first=True, padding_value=INF),
+        pad([r[1] for r in reqs], batch_first=True, padding_value=INF),
+        pad([r[2] for r in reqs], batch_first=True), torch.stack([r[3] for r in reqs]),
+        fusion_weight=torch.tensor([[r[5]] for r in reqs]), rank_by="fused",
+        exclude_seen=torch.tensor([r[4] for r in reqs]), top_k=5,
+    )
+    for b, (rank, lp, cands, hist, excl, weight) in enumerate(reqs):
+        alone = served_order(rank[None], lp[None], cands[None], hist[None], fusion_weight=weight, rank_by="fused",
+                             exclude_seen=excl, top_k=5)
+        k = alone[0].shape[1]
+        for got, want in zip(batched, alone):
+            assert torch.equal(got[b, :k], want[0]), b
 
 
 def test_tuning_picks_the_best_validation_weight(small):

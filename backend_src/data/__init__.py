@@ -1,7 +1,6 @@
 """Interaction data: loaders, the synthetic generator, leave-one-out splits and batches."""
 from .loaders import (
     DataFormatError,
-    SequenceData,
     build_sequence_data,
     data_dir,
     detect_format,
@@ -13,6 +12,7 @@ from .loaders import (
     load_movielens,
     load_path,
 )
+from .sequence_data import SequenceData
 from .sequences import (
     Batch, eval_batches, item_popularity, length_bucketed, pad_histories, target_rows, train_batches,
 )

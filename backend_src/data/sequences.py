@@ -12,7 +12,7 @@ from typing import Iterator, Sequence
 import numpy as np
 import torch
 
-from .loaders import SequenceData
+from .sequence_data import SequenceData
 
 SPLITS = ("valid", "test")
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .loaders import DAY, SequenceData
+from .sequence_data import DAY, SequenceData
 
 _SYLLABLES = ("ka", "lo", "mi", "ru", "te", "sa", "vo", "ne", "pi", "da", "gu", "zo", "be", "xi",
               "fa", "ho")

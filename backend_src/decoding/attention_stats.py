@@ -15,9 +15,7 @@ import math
 
 import torch
 
-
-def _row_mask(lengths: torch.Tensor, n: int) -> torch.Tensor:
-    return torch.arange(n, device=lengths.device)[None, :] < lengths[:, None]
+from backend_src.ops.reference import row_mask
 
 
 def _count(lengths: torch.Tensor, frac: float) -> torch.Tensor:
@@ -32,7 +30,7 @@ def _sorted_desc(a: torch.Tensor, mask: torch.Tensor):
 
 def top_share(a: torch.Tensor, lengths: torch.Tensor, frac: float) -> torch.Tensor:
     """[B] share of each user's attention held by its own top `frac` rows."""
-    mask = _row_mask(lengths, a.shape[1])
+    mask = row_mask(lengths, a.shape[1])
     vals, _ = _sorted_desc(a, mask)
     csum = torch.cumsum(vals.clamp_min(0).nan_to_num(neginf=0.0), dim=1)
     m = _count(lengths, frac)
@@ -43,7 +41,7 @@ def top_share(a: torch.Tensor, lengths: torch.Tensor, frac: float) -> torch.Tens
 
 def top_set(a: torch.Tensor, lengths: torch.Tensor, frac: float) -> torch.Tensor:
     """bool [B, N]: each user's top `frac` rows by a."""
-    mask = _row_mask(lengths, a.shape[1])
+    mask = row_mask(lengths, a.shape[1])
     _, order = _sorted_desc(a, mask)
     chosen = torch.arange(a.shape[1], device=a.device)[None, :] < _count(lengths, frac)[:, None]
     return torch.zeros_like(mask).scatter(1, order, chosen)
@@ -57,7 +55,7 @@ def recent_set(lengths: torch.Tensor, n: int, frac: float) -> torch.Tensor:
 
 def share_of(a: torch.Tensor, rows: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """[B] share of a held by the rows marked in `rows`."""
-    mask = _row_mask(lengths, a.shape[1])
+    mask = row_mask(lengths, a.shape[1])
     total = (a * mask).sum(1)
     return (a * (rows & mask)).sum(1) / total.clamp_min(1e-30)
 
@@ -98,7 +96,7 @@ def attention_stats(
     weights = [r["weights"].double() for r in sorted(records, key=lambda r: r["step"])]
     lengths = lengths.to(weights[0].device).long()
     n = weights[0].shape[1]
-    mask = _row_mask(lengths, n)
+    mask = row_mask(lengths, n)
     out: dict = {"num_users": int(lengths.numel()), "ref_step": ref_step}
     for t, a in enumerate(weights):
         out[f"top{round(top_frac * 100)}_share_step{t}"] = _mean(top_share(a, lengths, top_frac))

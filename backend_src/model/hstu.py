@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from backend_src import ops
 from backend_src.config import ModelConfig
+from backend_src.ops.reference import row_mask
 
 
 # --------------------------------------------------------------------------------------------
@@ -208,11 +209,6 @@ def _count_registration(module, name, param):
 
 
 torch.nn.modules.module.register_module_parameter_registration_hook(_count_registration)
-
-
-def row_mask(lengths: torch.Tensor, n: int) -> torch.Tensor:
-    """[B] lengths -> [B, n] bool, True for rows < length."""
-    return torch.arange(n, device=lengths.device)[None, :] < lengths[:, None]
 
 
 def merge_rows(

@@ -38,12 +38,59 @@ def seen_in_history(candidates: torch.Tensor, history: torch.Tensor) -> torch.Te
     return (candidates[:, :, None] == history[:, None, :]).any(-1)
 
 
+RANK_ORDERS = ("fused", "ranker")
+
+
+def served_order(
+    rank_scores: torch.Tensor,  # [B, W] ranker logits (-inf for empty candidates)
+    log_probs: torch.Tensor,  # [B, W] retrieval log-probabilities of the candidates
+    candidates: torch.Tensor,  # [B, W] item indices, 0 = empty beam
+    history_items: torch.Tensor | None = None,  # [B, N] item indices (0 = padding); needed to exclude seen
+    *,
+    fusion_weight=1.0,  # a number, or [B, 1]: one per row
+    rank_by: str = "fused",
+    exclude_seen=False,  # a bool, or [B] bool: one per row
+    top_k: int = 10,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The served order, the one definition the model, the server and the evaluation share.
+
+    score = fusion_weight * rank_score + log_prob ("fused") or rank_score ("ranker"). A candidate
+    is dropped (score -inf) when it is empty (item 0), has no finite score, or, with exclude_seen,
+    is in its row's history. The min(top_k, W) best come first; ties keep the candidates' order
+    (the beam order). A dropped or missing candidate leaves an empty slot: item 0, score and
+    log-probability -inf, after every real one.
+
+    Returns [B, min(top_k, W)] each: (items, scores, log_probs, positions), positions being the
+    columns of `candidates` the slots came from (to gather e.g. semantic IDs; mask empty slots
+    with items == 0)."""
+    if rank_by == "fused":
+        scores = fuse(rank_scores, log_probs, fusion_weight)
+    elif rank_by == "ranker":
+        scores = rank_scores
+    else:
+        raise ValueError(f"rank_by must be one of {RANK_ORDERS}, got {rank_by!r}")
+    drop = (candidates == 0) | ~torch.isfinite(scores)
+    exclude = torch.as_tensor(exclude_seen, device=candidates.device).reshape(-1, 1)  # [1, 1] or [B, 1]
+    if bool(exclude.any()):
+        if history_items is None:
+            raise ValueError("exclude_seen needs history_items")
+        drop |= seen_in_history(candidates, history_items) & exclude
+    scores = scores.masked_fill(drop, float("-inf"))
+    # a stable sort, not topk: equal scores keep the beam order on every runtime and batch shape
+    positions = torch.argsort(scores, dim=1, descending=True, stable=True)[:, :top_k]
+    top = torch.gather(scores, 1, positions)
+    empty = top == float("-inf")
+    items = torch.gather(candidates, 1, positions).masked_fill(empty, 0)
+    top_log_probs = torch.gather(log_probs, 1, positions).masked_fill(empty, float("-inf"))
+    return items, top, top_log_probs, positions
+
+
 @dataclass
 class Recommendations:
     items: torch.Tensor  # [B, K] item index (0 = empty slot)
-    rank_scores: torch.Tensor  # [B, K] ranker logits (-inf for empty slots)
-    log_probs: torch.Tensor  # [B, K] retrieval log-probability of the item's semantic ID
-    codes: torch.Tensor  # [B, K, 4] semantic IDs
+    rank_scores: torch.Tensor  # [B, K] the served order's score: fused, or the ranker logit (-inf for empty slots)
+    log_probs: torch.Tensor  # [B, K] retrieval log-probability of the item's semantic ID (-inf for empty slots)
+    codes: torch.Tensor  # [B, K, 4] semantic IDs (-1 for empty slots)
 
 
 class GenerativeRecommender(nn.Module):
@@ -166,26 +213,19 @@ class GenerativeRecommender(nn.Module):
         rank_by: str = "fused",
     ) -> Recommendations:
         """Retrieve beam_width candidates by semantic-ID beam search, rank them with M-FALCON
-        against the same cached history, return the top_k by ranking score ("ranker": the
-        M-FALCON logit; "fused": w * logit + retrieval log-probability, w = cfg.fusion_weight(exclude_seen))."""
-        if rank_by not in ("ranker", "fused"):
-            raise ValueError(f"rank_by must be 'ranker' or 'fused', got {rank_by!r}")
+        against the same cached history, return the top_k in the served order (`served_order`:
+        "ranker": the M-FALCON logit; "fused": w * logit + retrieval log-probability,
+        w = cfg.fusion_weight(exclude_seen))."""
         beams = self.retrieve(cache, options)
-        scores = self.rank(cache, beams.item_ids, microbatch_size)  # [B, W]; -inf for empty beams
-        if rank_by == "fused":
-            scores = fuse(scores, beams.log_probs, self.cfg.fusion_weight(exclude_seen))
-        if exclude_seen:
-            if history_items is None:
-                raise ValueError("exclude_seen needs history_items")
-            scores = scores.masked_fill(seen_in_history(beams.item_ids, history_items), float("-inf"))
-        k = min(top_k, scores.shape[1])
-        top = torch.topk(scores, k, dim=1).indices
-        items = torch.gather(beams.item_ids, 1, top)
-        rank_scores = torch.gather(scores, 1, top)
-        items = items.masked_fill(torch.isinf(rank_scores), 0)
+        rank_scores = self.rank(cache, beams.item_ids, microbatch_size)  # [B, W]; -inf for empty beams
+        items, scores, log_probs, top = served_order(
+            rank_scores, beams.log_probs, beams.item_ids, history_items,
+            fusion_weight=self.cfg.fusion_weight(exclude_seen), rank_by=rank_by, exclude_seen=exclude_seen, top_k=top_k,
+        )
+        codes = torch.gather(beams.codes, 1, top[:, :, None].expand(-1, -1, beams.codes.shape[-1]))
         return Recommendations(
             items=items,
-            rank_scores=rank_scores,
-            log_probs=torch.gather(beams.log_probs, 1, top),
-            codes=torch.gather(beams.codes, 1, top[:, :, None].expand(-1, -1, beams.codes.shape[-1])),
+            rank_scores=scores,
+            log_probs=log_probs,
+            codes=codes.masked_fill((items == 0)[:, :, None], -1),  # an empty slot names no item
         )

@@ -13,8 +13,9 @@ import torch
 import torch.nn.functional as F
 
 
-def _row_mask(lengths: torch.Tensor, n: int) -> torch.Tensor:
-    """[B] lengths -> [B, n] bool, True for rows < length."""
+def row_mask(lengths: torch.Tensor, n: int) -> torch.Tensor:
+    """[B] lengths -> [B, n] bool, True for rows < length (defined here, the lowest layer, for
+    the model and the attention statistics too)."""
     return torch.arange(n, device=lengths.device)[None, :] < lengths[:, None]
 
 
@@ -109,7 +110,7 @@ def attention_probs(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor) -> 
     q [B, W, H, d], k [B, N, H, d], lengths [B] -> probs [B, W, H, N] (0 beyond lengths[b]).
     """
     logits = torch.einsum("bwhd,bnhd->bwhn", q, k) * (q.shape[-1] ** -0.5)
-    valid = _row_mask(lengths, k.shape[1])[:, None, None, :]
+    valid = row_mask(lengths, k.shape[1])[:, None, None, :]
     logits = logits.masked_fill(~valid, float("-inf"))
     return torch.softmax(logits.float(), dim=-1).to(q.dtype)
 
@@ -123,7 +124,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths:
     """
     # same math as softmax(q k^T / sqrt(d)) v over valid rows; SDPA's fused CPU path avoids
     # materializing and permuting the [B, H, W, N] weights
-    valid = _row_mask(lengths, k.shape[1])[:, None, None, :]
+    valid = row_mask(lengths, k.shape[1])[:, None, None, :]
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=valid)
     return out.transpose(1, 2)
 
@@ -148,7 +149,7 @@ def pfa_select(
     """
     B, W, H, d = q.shape
     N = k.shape[1]
-    invalid = ~_row_mask(lengths, N)  # [B, N] rows past each history's end
+    invalid = ~row_mask(lengths, N)  # [B, N] rows past each history's end
     # they are masked from column `lo` on: on the CPU the shortest length is read, so a batch of
     # full histories skips the mask pass (a GPU would have to sync)
     lo = 0 if lengths.is_cuda else int(lengths.min()) if B else N

@@ -31,11 +31,11 @@ class TritonPythonModel:
             sys.path.insert(0, root)
         import torch
 
-        from backend_src.model.recommender import GenerativeRecommender, fuse, seen_in_history
+        from backend_src.model.recommender import RANK_ORDERS, GenerativeRecommender, served_order
         from backend_src.serving import protocol as P
         from backend_src.serving import validation as V
 
-        self.torch, self.P, self.V, self.fuse, self.seen_in_history = torch, P, V, fuse, seen_in_history
+        self.torch, self.P, self.V, self.served_order = torch, P, V, served_order
         torch.set_num_threads(int(params.get("torch_threads", 1)))
         vdir = Path(args["model_repository"]) / args["model_version"]
         self.model = GenerativeRecommender.load(vdir / "model.pt")
@@ -48,7 +48,9 @@ class TritonPythonModel:
         self.max_beams = int(params.get("max_beam_width", 1024))
         self.default_top_k = int(params.get("top_k", 10))
         self.microbatch = int(params.get("ranker_microbatch", 64))
-        self.rank_by = params.get("rank_by", "ranker")
+        self.rank_by = params.get("rank_by", "fused")  # the order everything else defaults to
+        if self.rank_by not in RANK_ORDERS:
+            raise ValueError(f"rank_by must be one of {RANK_ORDERS}, got {self.rank_by!r}")
         self.max_elements = max((self.max_history + 1) * cfg.d_model * cfg.num_layers, self.max_beams * cfg.num_codes)
         self.raw_ids = np.array([b"" if x is None else str(x).encode() for x in self.model.item_ids], dtype=object)
         from backend_src.serving.ranker_runtime import RankerRuntime
@@ -83,8 +85,9 @@ class TritonPythonModel:
         )
         return keys, values, ts, cands, log_probs, codes, top_k, history_items, exclude_seen
 
-    def _scores(self, reqs):
-        """Ranking logits [B, M] for the batch (padded histories and candidate lists)."""
+    def _scores(self, reqs, cands):
+        """Ranking logits [B, M] of the batch's padded candidate lists cands [B, M] (histories
+        padded to the longest)."""
         torch = self.torch
         pad = torch.nn.utils.rnn.pad_sequence
         lengths = torch.tensor([r[2].shape[0] for r in reqs], dtype=torch.long)
@@ -93,24 +96,35 @@ class TritonPythonModel:
         keys = pad([torch.from_numpy(r[0]).transpose(0, 1) for r in reqs], batch_first=True).permute(2, 0, 1, 3, 4).contiguous()
         values = pad([torch.from_numpy(r[1]).transpose(0, 1) for r in reqs], batch_first=True).permute(2, 0, 1, 3, 4).contiguous()
         ts = pad([torch.from_numpy(r[2]) for r in reqs], batch_first=True)  # [B, n]
-        cands = pad([torch.from_numpy(r[3]).clamp(min=0) for r in reqs], batch_first=True)  # [B, M]; 0 = none, scored -inf
         with torch.inference_mode():
-            scores = torch.as_tensor(self.runtime.score(keys, values, ts, lengths, cands, self.microbatch)).float().cpu()
+            return torch.as_tensor(self.runtime.score(keys, values, ts, lengths, cands, self.microbatch)).float().cpu()
+
+    def _order(self, reqs):
+        """The served order (served_order, as offline) of the batch: items, scores, log-probs
+        [B, k] and codes [B, k, C], k = min(largest TOP_K, longest list). A request's answer is
+        its first min(TOP_K, its candidates) slots: a shorter list's padding is empty and sorts last."""
+        torch = self.torch
+        pad = torch.nn.utils.rnn.pad_sequence
+        cands = pad([torch.from_numpy(r[3]).clamp(min=0) for r in reqs], batch_first=True)  # [B, M]; 0 = none
+        scores = self._scores(reqs, cands)
+        log_probs = pad([torch.from_numpy(r[4]).float() for r in reqs], batch_first=True, padding_value=float("-inf"))
+        codes = pad([torch.from_numpy(r[5]) for r in reqs], batch_first=True, padding_value=-1)  # [B, M, C]
         exclude = torch.tensor([r[8] for r in reqs])  # [B] EXCLUDE_SEEN of each request
-        if self.rank_by == "fused":  # weighted ranker logit + retrieval log-probability
-            log_probs = pad([torch.from_numpy(r[4]).float() for r in reqs], batch_first=True, padding_value=float("-inf"))
-            # the weight of each request's seen-item policy (chosen on validation under it)
-            cfg = self.model.cfg
-            weight = torch.where(exclude, cfg.fusion_weight(True), cfg.fusion_weight(False))[:, None]
-            scores = self.fuse(scores, log_probs, weight)
-        drop = cands == 0
-        if bool(exclude.any()):  # candidates already in the history of a request that excludes them
+        history = None
+        if bool(exclude.any()):
             history = pad([torch.from_numpy(r[7]) for r in reqs], batch_first=True)  # [B, n], 0 = padding
-            drop |= self.seen_in_history(cands, history) & exclude[:, None]
-        return scores.masked_fill(drop, float("-inf"))
+        # each request takes the fusion weight chosen on validation under its seen-item policy
+        cfg = self.model.cfg
+        weight = torch.where(exclude, cfg.fusion_weight(True), cfg.fusion_weight(False))[:, None]
+        items, scores, log_probs, top = self.served_order(
+            scores, log_probs, cands, history, fusion_weight=weight, rank_by=self.rank_by,
+            exclude_seen=exclude, top_k=max(r[6] for r in reqs),
+        )
+        codes = torch.gather(codes, 1, top[:, :, None].expand(-1, -1, codes.shape[-1]))
+        return items, scores, log_probs, codes.masked_fill((items == 0)[:, :, None], -1)
 
     def execute(self, requests):
-        P, V, torch = self.P, self.V, self.torch
+        P, V = self.P, self.V
         responses = [None] * len(requests)
         batch = []
         for i, r in enumerate(requests):
@@ -125,27 +139,19 @@ class TritonPythonModel:
         if not batch:
             return responses
         try:
-            scores = self._scores([r for _, r in batch])  # [B, M]
-            k = min(max(r[6] for _, r in batch), scores.shape[1])
-            top_scores, top = torch.topk(scores, k, dim=1)  # [B, k] best first
+            items, scores, log_probs, codes = self._order([r for _, r in batch])  # [B, k] best first
         except Exception as e:  # noqa: BLE001
             err = pb_utils.TritonError(f"mfalcon_ranker: {type(e).__name__}: {e}", pb_utils.TritonError.INTERNAL)
             for i, _ in batch:
                 responses[i] = pb_utils.InferenceResponse(error=err)
             return responses
-        top_scores, top = top_scores.numpy(), top.numpy()
-        for b, (i, (_, _, _, cands, log_probs, codes, top_k, _, _)) in enumerate(batch):
+        items, scores, log_probs, codes = items.numpy(), scores.numpy(), log_probs.numpy(), codes.numpy()
+        for b, (i, (_, _, _, cands, _, _, top_k, _, _)) in enumerate(batch):
             kk = min(top_k, cands.shape[0])
-            s = top_scores[b, :kk].astype(np.float32)
-            empty = ~np.isfinite(s)
-            idx = np.where(top[b, :kk] < cands.shape[0], top[b, :kk], 0)  # padding of longer lists is -inf
-            items = cands[idx]
-            items[empty] = 0
-            ids = self.raw_ids[items]
-            lp = log_probs[idx].astype(np.float32)
-            lp[empty] = -np.inf
-            c = codes[idx].astype(np.int32)
-            c[empty] = -1
+            ids = self.raw_ids[items[b, :kk]]  # item 0 (an empty slot) -> b""
+            s = scores[b, :kk].astype(np.float32)
+            lp = log_probs[b, :kk].astype(np.float32)
+            c = codes[b, :kk].astype(np.int32)
             responses[i] = pb_utils.InferenceResponse(
                 output_tensors=[
                     pb_utils.Tensor(P.RECOMMENDED_IDS.name, ids[None]),
