@@ -46,9 +46,8 @@ OPTION_TENSORS = {
     "selection_step": P.SELECTION_STEP,
 }
 
-# The cheapest valid END request: no new events (nothing is encoded) and the smallest decode
-# (one beam, one row attended, top 1). The ensemble still runs the decoder and ranker once.
-CLOSE_OPTIONS = {"top_k": 1, "beam_width": 1, "mode": "pfa", "pfa_k": 1, "pfa_r": 1.0, "selection_step": 0}
+# Ending a visit needs no recommendations: its END goes straight to the history encoder (the
+# stage that holds the visit's sequence), asking only for the event count, so nothing is decoded.
 
 # The sequence batcher's answer to a request of a visit it does not know (never started here,
 # idled out, or the encoder was reloaded): the client starts a new visit and sends it again.
@@ -254,7 +253,7 @@ class RecommenderClient:
         state = self._state(session_id)
         inputs = event_inputs([], [], [])[0]
         try:
-            self._send(session_id, inputs, 0, CLOSE_OPTIONS, events_before=state.count, end=True, outputs=_CLOSE_OUTPUTS)
+            self._send(session_id, inputs, 0, {}, events_before=state.count, end=True, outputs=_CLOSE_OUTPUTS, model=P.ENCODER)
         except SessionLost:
             return False
         finally:
@@ -313,7 +312,7 @@ class RecommenderClient:
             return self._sessions.setdefault(session_id, _SessionState())
 
     def _send(self, session_id, inputs, n_events: int, options: dict, events_before, start: bool = False,
-              end: bool = False, outputs=_OUTPUTS) -> Recommendation | None:
+              end: bool = False, outputs=_OUTPUTS, model: str | None = None) -> Recommendation | None:
         """One request, sent again on retryable failures. With events_before set (or no events)
         every attempt is idempotent; without it only failures that the server did not act on
         are retried."""
@@ -330,7 +329,7 @@ class RecommenderClient:
         for attempt in range(self.retries + 1):
             try:
                 result = self._client.infer(
-                    self.model, inputs, outputs=requested, sequence_id=sid, sequence_start=start, sequence_end=end,
+                    model or self.model, inputs, outputs=requested, sequence_id=sid, sequence_start=start, sequence_end=end,
                     client_timeout=self.timeout_s, headers=headers,
                 )
                 break

@@ -65,7 +65,14 @@ def test_session_round_trip(served):
         again = c.recommend("u-0", **OPTIONS)  # no new events: same history, same answer
         assert again.history_length == 6 and again.item_ids == rec.item_ids
         assert again.event_count == 6 and c.event_count("u-0") == 6
+        import tritonclient.grpc as grpcclient
+
+        stats = grpcclient.InferenceServerClient(served["url"])
+        decodes = lambda: int(stats.get_inference_statistics("pfa_decoder", as_json=True)["model_stats"][0]["inference_count"])  # noqa: E731
+        before = decodes()
         assert c.close_session("u-0") is True  # ends the visit; the session stays
+        assert decodes() == before  # ending a visit decodes nothing
+        stats.close()
         rec = c.append("u-0", items[6:7], actions[6:7], ts[6:7], **OPTIONS)  # a new visit continues it
         assert rec.history_length == 7 and rec.event_count == 7 and not rec.restored
         assert c.close_session("u-0") is True
