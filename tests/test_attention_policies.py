@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from backend_src import ops
-from backend_src.config import DecodeOptions, ModelConfig
+from backend_src.config import DecodeOptions
 from backend_src.decoding import generate
 from backend_src.decoding.attention_policies import (
     POLICIES,
@@ -24,10 +24,8 @@ from backend_src.decoding.attention_policies import (
     attention_policy,
     beam_weights,
 )
-from backend_src.model.decoder import SemanticIdDecoder
 from backend_src.model.semantic_ids import SemanticIdCodebook, assign_collision_codes
-
-D, H = 16, 2
+from test_decoding import D, H, _decoder  # the decoder the decoding tests use
 MODES = ("full", "pfa", "pfa_per_beam", "dynamic_topk")
 KR = ((3, 0.5), (5, 0.3), (8, 1.0))
 
@@ -36,17 +34,7 @@ def setup(shared, sizes=(4, 3, 3), seed=0):
     g = torch.Generator().manual_seed(seed)
     codes3 = torch.stack([torch.randint(c, (60,), generator=g) for c in sizes], 1)
     cb = SemanticIdCodebook.from_codes(assign_collision_codes(codes3))
-    torch.manual_seed(seed)
-    cfg = ModelConfig(num_items=cb.num_items, d_model=D, decoder_heads=H, codebook_sizes=cb.codebook_sizes,
-                      shared_kv_projection=shared)
-    dec = SemanticIdDecoder(cfg).eval()
-    with torch.no_grad():  # sharper attention and logits than the default init, so selection matters
-        for p in dec.kv_proj:
-            p.weight.mul_(3.0)
-        for p in dec.code_emb:
-            p.weight.normal_(0, 1.0)
-        for p in dec.out:
-            p.weight.mul_(4.0)
+    dec = _decoder(cb, seed=seed, shared=shared)
     g = torch.Generator().manual_seed(seed + 1)
     states = torch.randn(4, 12, D, generator=g)
     lengths = torch.tensor([12, 7, 2, 1])
