@@ -196,10 +196,11 @@ class LocalCluster:
 
     # -- one replica at a time (tests, benchmarks, roll-outs)
     def kill_replica(self, i: int) -> None:
-        """SIGKILL replica i's server (a crashed machine); its watchdog is stopped first."""
+        """SIGKILL replica i's server and its model processes at once (a crashed machine; killed
+        alone, the server would leave its stubs running); its watchdog is stopped first."""
         r = self.replicas[i]
         r.stop_watchdog()
-        os.kill(r.pid, signal.SIGKILL)
+        os.killpg(r.pid, signal.SIGKILL)  # the server leads its own process group
         if r.process is not None:
             r.process.wait()
 
