@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import re
-import sys
 import threading
 import time
 import urllib.request

@@ -18,8 +18,8 @@ pytestmark = pytest.mark.server
 pytest.importorskip("tritonclient.grpc")
 
 from clients.client import RecommenderClient  # noqa: E402
-from serving_helpers import build_tiny_checkpoint, require_tritonserver  # noqa: E402
-from test_sessions_server import DECODE, MAX_HISTORY, NUM_ITEMS, events, item_id, offline_ids  # noqa: E402
+from serving_helpers import require_tritonserver  # noqa: E402
+from test_sessions_server import DECODE, events, offline_ids, two_versions  # noqa: E402
 
 SESSIONS = 12
 
@@ -30,10 +30,7 @@ def cluster(tmp_path_factory):
     if redis_server_binary() is None or nginx_binary() is None:
         pytest.skip("a local cluster needs Debian's redis-server and nginx")
     tmp = tmp_path_factory.mktemp("cluster")
-    item_ids = [None] + [item_id(i) for i in range(1, NUM_ITEMS + 1)]
-    ckpts = tmp / "v1.pt", tmp / "v2.pt"
-    for seed, c in enumerate(ckpts, start=1):
-        build_tiny_checkpoint(c, item_ids, MAX_HISTORY, seed=seed)
+    ckpts = two_versions(tmp)
     repo = tmp / "model_repository"
     options = ServingOptions(decode=DECODE, top_k=5, visit_idle_s=5, max_queue_delay_us=500, ranker_backend="torch")
     pub.publish(ckpts[0], repo, options, export_ranker=False)

@@ -23,7 +23,7 @@ from backend_src.serving.event_log import (
 from backend_src.serving.redis_server import RedisServer, redis_server_binary
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-NO_REDIS = "redis-server binary not found on PATH or at /usr/bin/redis-server (apt-get install redis-server)"
+NO_REDIS = "redis-server binary not found on PATH (apt-get install redis-server)"
 
 # user keys that trip naive key schemes: hash-tag braces, an escaped brace, unicode, long
 ODD_USERS = ["i:123", "s:user-abc", "a}", "a%7D", "{x}", "ü" * 140, "with space\nand newline"]

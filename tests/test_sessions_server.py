@@ -43,6 +43,15 @@ def events(u: int, n: int, start: int = 0):
     return items[sl], [1 + (i % 5) for i in range(200)][sl], [10_000 + 60 * i for i in range(200)][sl]
 
 
+def two_versions(tmp):
+    """Checkpoints of two versions (different weights) over the same catalog."""
+    item_ids = [None] + [item_id(i) for i in range(1, NUM_ITEMS + 1)]
+    ckpts = tmp / "v1.pt", tmp / "v2.pt"
+    for seed, c in enumerate(ckpts, start=1):
+        build_tiny_checkpoint(c, item_ids, MAX_HISTORY, seed=seed)
+    return ckpts
+
+
 def offline_ids(ckpt, items, actions, timestamps):
     """The top-K of the offline model on the last MAX_HISTORY events of a history."""
     from backend_src.model.recommender import GenerativeRecommender
@@ -71,10 +80,7 @@ def logged(repo, session_id: str):
 def served(tmp_path_factory):
     require_tritonserver()
     tmp = tmp_path_factory.mktemp("sessions")
-    item_ids = [None] + [item_id(i) for i in range(1, NUM_ITEMS + 1)]
-    ckpts = tmp / "v1.pt", tmp / "v2.pt"
-    for seed, c in enumerate(ckpts, start=1):
-        build_tiny_checkpoint(c, item_ids, MAX_HISTORY, seed=seed)
+    ckpts = two_versions(tmp)
     repo = tmp / "model_repository"
     # a session cache of 48 KiB holds a handful of these sessions: the rest are evicted
     options = ServingOptions(decode=DECODE, top_k=TOP_K, visit_idle_s=5, max_queue_delay_us=500,

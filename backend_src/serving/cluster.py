@@ -26,6 +26,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -72,10 +73,8 @@ http {{
 
 
 def nginx_binary() -> str | None:
-    found = shutil.which("nginx")
-    if found:
-        return found
-    return "/usr/sbin/nginx" if os.access("/usr/sbin/nginx", os.X_OK) else None
+    """nginx on PATH (Debian installs it in sbin, on root's PATH), or None."""
+    return shutil.which("nginx")
 
 
 class NginxBalancer:
@@ -127,8 +126,6 @@ class NginxBalancer:
             if self.process.poll() is not None:
                 raise RuntimeError(f"nginx exited with {self.process.returncode}: see {self.dir / 'nginx-error.log'}")
             try:
-                import socket
-
                 with socket.create_connection((self.address, self.port), timeout=0.5):
                     return self
             except OSError:

@@ -5,13 +5,12 @@ to its append-only file, fsynced before it answers (``--appendonly yes --appendf
 no RDB snapshots), so an acknowledged write survives the server being killed; starting it
 again on the same folder replays that file.
 
-    with RedisServer("/tmp/redis-data") as server:
+    with RedisServer("runs/redis") as server:
         log = open_event_log(server.url)
 """
 from __future__ import annotations
 
 import atexit
-import os
 import shutil
 import signal
 import socket
@@ -25,12 +24,8 @@ LOG_FILE = "redis-server.log"
 
 
 def redis_server_binary() -> Optional[str]:
-    """Path of the ``redis-server`` binary (on PATH or Debian's /usr/bin), or None."""
-    found = shutil.which("redis-server")
-    if found:
-        return found
-    fallback = "/usr/bin/redis-server"
-    return fallback if os.access(fallback, os.X_OK) else None
+    """Path of the ``redis-server`` binary on PATH (Debian's package installs it there), or None."""
+    return shutil.which("redis-server")
 
 
 def _free_port() -> int:
@@ -79,7 +74,7 @@ class RedisServer:
         if self.running:
             return self
         if not self.binary:
-            raise FileNotFoundError("redis-server not found on PATH or at /usr/bin/redis-server")
+            raise FileNotFoundError("redis-server not found on PATH (Debian: apt-get install redis-server)")
         self.data_dir.mkdir(parents=True, exist_ok=True)
         if self.port is None:
             self.port = _free_port()

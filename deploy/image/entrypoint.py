@@ -17,7 +17,7 @@ reaped) and the same environment, but as a child that this process waits on:
 
 Settings (environment): GENREC_MODEL_REPOSITORY (default /srv/genrec/model_repository),
 GENREC_ADMIN_KEY, GENREC_EVENT_LOG, GENREC_EXIT_TIMEOUT_S (30), GENREC_WATCHDOG (1),
-GENREC_START_TIMEOUT_S (600), GENREC_RUN_DIR (/tmp/genrec: the watchdog's log).
+GENREC_START_TIMEOUT_S (600), GENREC_RUN_DIR (genrec/ in the temporary directory: the watchdog's log).
 """
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 # The image puts the project root on PYTHONPATH; running this file from a checkout works too.
@@ -49,7 +50,7 @@ def server_from_env(env=None) -> TritonServer:
     event_log = (env.get(EVENT_LOG_ENV) or "").strip()
     if not event_log:
         raise ConfigError(f"{EVENT_LOG_ENV} is not set: point it at the shared Redis (redis://host:6379/0)")
-    run_dir = Path(env.get("GENREC_RUN_DIR", "/tmp/genrec"))
+    run_dir = Path(env.get("GENREC_RUN_DIR") or Path(tempfile.gettempdir()) / "genrec")
     watchdog = env.get("GENREC_WATCHDOG", "1") not in ("0", "false", "no", "")
     return TritonServer(
         env.get("GENREC_MODEL_REPOSITORY", DEFAULT_REPOSITORY),

@@ -91,7 +91,6 @@ class TritonPythonModel:
         torch = self.torch
         pad = torch.nn.utils.rnn.pad_sequence
         lengths = torch.tensor([r[2].shape[0] for r in reqs], dtype=torch.long)
-        n = int(lengths.max())
         # per request [L, n, H, dh] -> padded [B, n, L, H, dh] -> [L, B, n, H, dh]
         keys = pad([torch.from_numpy(r[0]).transpose(0, 1) for r in reqs], batch_first=True).permute(2, 0, 1, 3, 4).contiguous()
         values = pad([torch.from_numpy(r[1]).transpose(0, 1) for r in reqs], batch_first=True).permute(2, 0, 1, 3, 4).contiguous()
