@@ -77,6 +77,9 @@ def parse_args(argv=None):
     p.add_argument("--peak-bw", type=float, default=None,
                    help="device memory bandwidth in bytes/s (default: from the device, else 4.8e12)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--served-decode", action="store_true",
+                   help="instead of the kernels: the served decode (backend_src.decoding.cuda_graphs) checked "
+                        "against the eager decode and timed, eager vs CUDA-graph replays, into OUT/graphs")
     p.add_argument("--cpu-smoke", action="store_true",
                    help="tiny shapes on the CPU through Triton's interpreter: checks this script only")
     return p.parse_args(argv)
@@ -366,18 +369,23 @@ def bench_hstu(torch, R, K, timer, args, cfg, dtype, dev, info, baseline=None) -
         res["baseline"] = {**rates(timer(lambda: baseline.hstu_attention(*call_args, *extra))),
                            "checks": check(baseline.hstu_attention(*call_args, *extra))}
     if not args.no_hstu_profile:
-        # every tile shape of K.HSTU_TILES (the op uses K.HSTU_TILE), then the best one without the
-        # time bias and without both biases: what each part of the kernel costs
+        # every tile shape of the dtype's list (the op uses K.hstu_tile), then the best one with
+        # every pair's own time bucket (the per-pair path alone), without the time bias and without
+        # both biases: what each part of the kernel costs
         def name(tile):
             return "x".join(map(str, tile))
 
+        tile_list = getattr(K, "HSTU_TILES_FP32", K.HSTU_TILES) if dtype == torch.float32 else K.HSTU_TILES
         tiles = {}
-        for tile in K.HSTU_TILES:
+        for tile in tile_list:
             launch = lambda tile=tile: K._launch_hstu(*call_args, *extra, tiles=tile)  # noqa: E731
             tiles[name(tile)] = {**rates(timer(launch)), "checks": check(launch())}
-        best = min(K.HSTU_TILES, key=lambda tile: tiles[name(tile)]["ms"])
+        best = min(tile_list, key=lambda tile: tiles[name(tile)]["ms"])
         parts = {f"biases={n}": rates(timer(lambda n=n: K._launch_hstu(*call_args, *extra, tiles=best, biases=n)))
                  for n in (1, 0)}
+        per_pair = lambda: K._launch_hstu(*call_args, *extra, tiles=best, time_steps=0)  # noqa: E731
+        parts["per_pair_time"] = {**rates(timer(per_pair)), "checks": check(per_pair())}
+        parts["op_at_best"] = rates(timer(lambda: K._launch_hstu(*call_args, *extra, tiles=best)))
         res["profile"] = {"tiles": tiles, "best": name(best), "parts_at_best": parts}
     return res
 
@@ -387,6 +395,34 @@ def bench_hstu(torch, R, K, timer, args, cfg, dtype, dev, info, baseline=None) -
 # --------------------------------------------------------------------------------------------
 def _f(x, spec=".3f"):
     return "-" if x is None else format(x, spec)
+
+
+GOAL_HSTU = (64, 2, 64, 2048, 0)  # batch, heads, d, N, candidates: the TFLOP/s goal's shape
+
+
+def goals(report: dict) -> list:
+    """The kernel goals against this run: HSTU with its biases >= 60% of its no-bias
+    throughput and >= 100 TFLOP/s at 64x2x64x2048; decode_attention and gather_rows >= 70% of the
+    measured copy bandwidth at the largest shape (most bytes)."""
+    copy_bw = report["device"].get("copy_bw_measured")
+    lines = ["", "## Goals", "", "| goal | measured | met |", "|---|---|---|"]
+    for r in report["hstu"]:
+        c, parts = r["config"], r.get("profile", {}).get("parts_at_best", {})
+        key = tuple(c[k] for k in ("batch", "heads", "head_dim", "history", "candidates"))
+        if "op_at_best" in parts:  # the same tile with and without its biases
+            frac = parts["biases=0"]["ms"] / parts["op_at_best"]["ms"]
+            lines.append(f"| HSTU {'x'.join(map(str, key))}: op >= 60% of its no-bias throughput | "
+                         f"{frac:.0%} | {frac >= 0.6} |")
+        if key == GOAL_HSTU:
+            tf = r["timing"]["triton_tflops"]
+            lines.append(f"| HSTU {'x'.join(map(str, key))}: >= 100 TFLOP/s | {tf:.0f} | {tf >= 100} |")
+    for op in ("decode_attention", "gather_rows"):
+        rows = [r["kernels"][op] for r in report["decode"] if op in r.get("kernels", {})]
+        if rows and copy_bw:
+            t = max(rows, key=lambda x: x["bytes"])
+            frac = t["triton_tb_s"] * 1e12 / copy_bw
+            lines.append(f"| {op} at its largest shape: >= 70% of the copy bandwidth | {frac:.0%} | {frac >= 0.7} |")
+    return lines if len(lines) > 5 else []
 
 
 def markdown(report: dict) -> str:
@@ -452,13 +488,14 @@ def markdown(report: dict) -> str:
     if profiled:
         tiles = list(next((r["profile"]["tiles"] for r in profiled if "profile" in r), {}))
         lines += ["", "## HSTU kernel profile (ms; TFLOP/s in brackets)", "",
-                  "Each tile shape of HSTU_TILES (BLOCK_M x BLOCK_N x warps x stages; the op uses HSTU_TILE), "
-                  "the best one "
-                  "with only the position bias and with no bias (what the biases cost), and the baseline "
+                  "Each tile shape of the dtype's list (BLOCK_M x BLOCK_N x warps x stages; the op uses "
+                  "hstu_tile(dtype, d)); at the best one: every pair's own time bucket (no per-row path), "
+                  "only the position bias, no bias (what the biases cost; the op / no bias column compares "
+                  "the same tile), and the baseline "
                   f"kernels ({report['args'].get('baseline_kernels') or 'none'}) on the same inputs.", "",
-                  "| batch | heads | d | N | cand. | " + " | ".join(tiles) + " | best | pos. bias only | no bias | "
-                  "op | baseline | op vs baseline |",
-                  "|" + "---|" * (5 + len(tiles) + 6)]
+                  "| batch | heads | d | N | cand. | " + " | ".join(tiles) + " | best | per-pair time bucket | "
+                  "pos. bias only | no bias | op | op / no bias throughput | baseline | op vs baseline |",
+                  "|" + "---|" * (5 + len(tiles) + 8)]
         for r in profiled:
             c, pr = r["config"], r.get("profile", {})
 
@@ -468,16 +505,101 @@ def markdown(report: dict) -> str:
             row = [str(c[k]) for k in ("batch", "heads", "head_dim", "history", "candidates")]
             row += [cell(pr["tiles"][t]) if t in pr.get("tiles", {}) else "-" for t in tiles]
             parts = pr.get("parts_at_best", {})
-            row += [pr.get("best", "-"), cell(parts["biases=1"]) if parts else "-",
-                    cell(parts["biases=0"]) if parts else "-", f"{r['timing']['triton_ms']:.3f}"]
+            row += [pr.get("best", "-"), cell(parts["per_pair_time"]) if "per_pair_time" in parts else "-",
+                    cell(parts["biases=1"]) if parts else "-", cell(parts["biases=0"]) if parts else "-",
+                    f"{r['timing']['triton_ms']:.3f}",
+                    f"{parts['biases=0']['ms'] / parts['op_at_best']['ms']:.0%}" if "op_at_best" in parts else "-"]
             b = r.get("baseline")
             row += [cell(b), f"{b['ms'] / r['timing']['triton_ms']:.2f}x"] if b else ["-", "-"]
             lines.append("| " + " | ".join(row) + " |")
+    lines += goals(report)
     lines += ["", "Bytes count what an op must move at least (queries, the valid K/V rows, kept rows, "
               "outputs); PFA scoring reads K twice (statistics, then weights), so its fraction is a lower bound. "
               "Where N <= k the selection keeps every row, so PFA cannot beat full attention there.",
               ""]
     return "\n".join(lines)
+
+
+# (users, history) of the served-decode run: the whole-decode benchmark's batches
+SERVED_DECODE = [(512, 128), (512, 512), (128, 2048)]
+
+
+def served_decode(torch, args) -> int:
+    """The served decode path: DecodeGraphs (padding to a bucket, then a replay of its CUDA graph)
+    against the eager, unpadded decode of the same batch, per mode; the same items and
+    log-probabilities first, then latency per batch (host included, as a server sees it)."""
+    import types
+
+    from backend_src.config import DecodeOptions
+    from backend_src.decoding import generate
+    from backend_src.decoding.cuda_graphs import DecodeGraphs
+    from backend_src.results import git_commit
+    from perf.bench_decode import build
+
+    dev = "cpu" if args.cpu_smoke else "cuda"  # the smoke run: padded eager decode, tiny batches
+    batches = [(3, 24)] if args.cpu_smoke else SERVED_DECODE
+    codebook, decoders = build(512 if args.cpu_smoke else 16384, 64, 2, max(n for _, n in batches), args.seed, dev)
+    model = types.SimpleNamespace(decoder=decoders[False], codebook=codebook)
+    out_dir = args.out / "graphs"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+    report = {"commit": git_commit(), "versions": {"torch": torch.__version__},
+              "device": torch.cuda.get_device_name(0) if dev == "cuda" else "cpu (smoke run)",
+              "beam": args.beam, "k": args.k, "r": args.r, "rows": []}
+    ok = True
+
+    def timed(fn, reps=15):
+        times = []
+        for _ in range(reps + 2):
+            sync()
+            t = time.perf_counter()
+            fn()
+            sync()
+            times.append((time.perf_counter() - t) * 1e3)
+        return statistics.median(times[2:])
+
+    for users, n in batches:
+        g = torch.Generator().manual_seed(args.seed + n)
+        states = torch.randn(users, n, 64, generator=g).to(dev)
+        ragged = torch.randint(n // 2, n + 1, (users,), generator=g)
+        for lengths, shape in ((torch.full((users,), n), "full"), (ragged, "ragged")):
+            lengths = lengths.to(dev)
+            row = {"users": users, "history": n, "lengths": shape, "modes": {}}
+            for mode in ("full", "pfa", "dynamic_topk"):
+                opts = DecodeOptions(mode=mode, beam_width=args.beam, k=args.k, r=args.r, selection_step=1)
+                graphs = DecodeGraphs(model, batch_buckets=(users + 1,), history_buckets=(n + 8,), pad=True) \
+                    if args.cpu_smoke else DecodeGraphs(model, batch_buckets=(users,), history_buckets=(n,))
+                t0 = time.time()
+                graphs.warmup(opts)
+                capture_s = time.time() - t0
+                with torch.inference_mode():
+                    ref = generate(model.decoder, codebook, states, lengths, opts)
+                    got = graphs.retrieve(states, lengths, opts)
+                    same = float((ref.item_ids == got.item_ids).float().mean())
+                    fin = torch.isfinite(ref.log_probs)
+                    lp_err = float((ref.log_probs - got.log_probs)[fin].abs().max()) if fin.any() else 0.0
+                    eager_ms = timed(lambda: generate(model.decoder, codebook, states, lengths, opts))
+                    graph_ms = timed(lambda: graphs.retrieve(states, lengths, opts))
+                ok &= same == 1.0 and lp_err < 1e-3
+                row["modes"][mode] = dict(eager_ms=eager_ms, graph_ms=graph_ms, capture_s=capture_s,
+                                          same_items=same, max_log_prob_err=lp_err)
+                print(f"served decode {users}x{n} {shape} {mode}: eager {eager_ms:.2f} ms, graph {graph_ms:.2f} ms, "
+                      f"same items {same:.4f}, log-prob err {lp_err:.1e}", flush=True)
+                del graphs
+                if dev == "cuda":
+                    torch.cuda.empty_cache()
+            m = row["modes"]
+            row["full_over_pfa"] = {k: m["full"][k] / m["pfa"][k] for k in ("eager_ms", "graph_ms")}
+            report["rows"].append(row)
+            report["all_ok"] = ok
+            (out_dir / "served_decode.json").write_text(json.dumps(report, indent=1))
+    for row in report["rows"]:
+        goal = {512: 1.45, 2048: 3.0}.get(row["history"])
+        print(f"PFA speedup {row['users']}x{row['history']} ({row['lengths']}): graphed "
+              f"{row['full_over_pfa']['graph_ms']:.2f}x, eager {row['full_over_pfa']['eager_ms']:.2f}x"
+              + (f" (goal {goal}x)" if goal else ""))
+    print(f"wrote {out_dir / 'served_decode.json'}; graphs equal the eager decode: {ok}")
+    return 0 if ok else 1
 
 
 def main(argv=None) -> int:
@@ -526,6 +648,9 @@ def main(argv=None) -> int:
             torch.cuda.synchronize()
         del a
     torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference stays exact
+    if args.served_decode:
+        args.out.mkdir(parents=True, exist_ok=True)
+        return served_decode(torch, args)
     report = {
         "device": info,
         "versions": {"torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version()},

@@ -339,6 +339,106 @@ def test_hstu_time_buckets_exact_for_large_timestamps():
     _close(K.hstu_attention(*args), R.hstu_attention(*args), TOL[torch.float32])
 
 
+def test_time_bucket_int_thresholds_match_reference():
+    """c[t] is the first integer |dt| whose reference bucket is t: the integer below it is in a lower one."""
+    for T, base in [(64, 1.6), (20, 2.0), (8, 10.0)]:
+        c = R.time_bucket_int_thresholds(T, base)
+        assert c.dtype == torch.int64 and c[0] == 0 and c[-1] == R.INT_THRESHOLD_INF
+        reach = c[1:-1] < R.INT_THRESHOLD_INF
+        assert reach.any() and torch.all(c[1:][reach.nonzero()[:, 0] + 1] > c[:-1][reach.nonzero()[:, 0] + 1] - 1)
+        inner = c[1:-1][reach]
+        assert torch.equal(R.time_bucket(inner, T, base), torch.arange(1, T)[reach])
+        assert torch.all(R.time_bucket(inner - 1, T, base) < torch.arange(1, T)[reach])
+    # past 2^24 float32 rounds the integer: the threshold is where the rounded value reaches thr
+    c = R.time_bucket_int_thresholds(64, 1.6)
+    big = c[(c > (1 << 25)) & (c < R.INT_THRESHOLD_INF)]
+    assert len(big) > 0 and torch.all(big.to(torch.float32) >= R.time_bucket_thresholds(64, 1.6)[
+        torch.searchsorted(c, big)])
+
+
+def _fast_tiles(q_ts, k_ts, num_q, num_k, block, steps, T=64, base=1.6):
+    """(tiles on the per-row path, all tiles) of a causal encode with index-ordered positions, as
+    the kernel decides them: every query row after the tile's keys, its buckets spanning <= steps."""
+    fast = total = 0
+    for m0 in range(0, num_q, block):
+        qt = q_ts[m0:m0 + block]
+        for n0 in range(0, min(num_k, m0 + block), block):
+            kt = k_ts[n0:min(n0 + block, num_k)]
+            near, far = qt - kt.max(), qt - kt.min()
+            span = R.time_bucket(far, T, base) - R.time_bucket(near, T, base)
+            fast += bool(torch.all((near >= 0) & (span <= steps)))
+            total += 1
+    return fast, total
+
+
+@pytest.mark.parametrize("epoch", [0, 1_700_000_000])
+def test_hstu_time_bias_per_row_path(epoch):
+    """The per-row bucket path takes most tiles of a long history and gives the same output, bit for
+    bit, as every pair's own bucket, and the reference's within tolerance; with epoch timestamps and
+    gaps past float32's exact integers the integer thresholds must reproduce the float rounding."""
+    B, N, H, d, T = 1, 256, 1, 16, 64
+    q, k, v, pos, _, _, _, nh, q_self = _history_case(B, N, H, d, d, [N], torch.float32, seed=30)
+    g = torch.Generator().manual_seed(31)
+    # mixed gaps: seconds to days, some beyond 2^24 s, so tiles span few or many buckets
+    gaps = torch.randint(0, 1 << 12, (B, N), generator=g) * torch.randint(1, 1 << 13, (B, N), generator=g)
+    ts = epoch + torch.cumsum(gaps, 1)
+    pb = torch.randn(H, N, generator=g)
+    tb = torch.randn(H, T, generator=g) * 3  # large time bias: a wrong bucket shows
+    args = (q, k, v, pos, pos, ts, ts, nh, q_self, pb, tb, 1.6, d ** -0.5, float(N))
+    fast, total = _fast_tiles(ts[0], ts[0], N, N, 64, 3)
+    # 10 tiles: 4 diagonal, 3 next to it (per pair); the 3 others take the per-row path
+    assert (fast, total) == (3, 10)
+    tile = (64, 64, 4, 1)  # the tiles _fast_tiles counts
+    out = K._launch_hstu(*args, tiles=tile, time_steps=3)
+    assert torch.equal(out, K._launch_hstu(*args, tiles=tile, time_steps=0))
+    _close(out, R.hstu_attention(*args), TOL[torch.float32])
+
+
+@pytest.mark.parametrize("t0", [20, 40])
+def test_hstu_time_bias_per_row_path_at_thresholds(t0):
+    """Keys at |dt| = c[t] - 1, c[t], c[t] + 1 of the later query rows (bucket 40: past 2^24 s, where
+    float32 rounds the integer): the per-row path decides every boundary as the reference does."""
+    B, N, H, d, T = 1, 256, 1, 16, 64
+    q, k, v, pos, _, _, _, nh, q_self = _history_case(B, N, H, d, d, [N], torch.float32, seed=34)
+    c = R.time_bucket_int_thresholds(T, 1.6)
+    Q = 1_700_000_000_000
+    j = torch.arange(64)
+    ts = torch.full((N,), Q - 10)
+    ts[:64] = Q - c[t0 + j % 3] + (j // 3) % 3 - 1  # first key tile: three thresholds, each +-1
+    ts[128:] = Q + torch.arange(128) % 2  # the last two query blocks: at Q and one second later
+    ts = ts[None]
+    g = torch.Generator().manual_seed(35)
+    pb, tb = torch.randn(H, N, generator=g), torch.randn(H, T, generator=g) * 3
+    args = (q, k, v, pos, pos, ts, ts, nh, q_self, pb, tb, 1.6, d ** -0.5, float(N))
+    assert _fast_tiles(ts[0], ts[0], N, N, 64, 3)[0] >= 2  # (block 2 or 3, key tile 0)
+    tile = (64, 64, 4, 1)
+    out = K._launch_hstu(*args, tiles=tile, time_steps=3)
+    assert torch.equal(out, K._launch_hstu(*args, tiles=tile, time_steps=0))
+    _close(K.hstu_attention(*args), out, TOL[torch.float32])  # the op's own tile
+    _close(out, R.hstu_attention(*args), TOL[torch.float32])
+
+
+def test_hstu_time_bias_per_row_path_candidates_and_fp16():
+    """M-FALCON candidates after a long history (every history tile on the per-row path) in fp16."""
+    B, Nh, M, H, d, T = 2, 192, 5, 2, 16, 64
+    q_h, k_h, v_h, pos, _, _, _, nh, _ = _history_case(B, Nh, H, d, d, [192, 130], torch.float16, seed=32)
+    g = torch.Generator().manual_seed(33)
+    ts = torch.cumsum(torch.randint(0, 5 * 86400, (B, Nh), generator=g), 1)
+    q_c = torch.randn(B, M, H, d, generator=g).half()
+    k = torch.cat([k_h, torch.randn(B, M, H, d, generator=g).half()], 1)
+    v = torch.cat([v_h, torch.randn(B, M, H, d, generator=g).half()], 1)
+    last_ts = ts.gather(1, (nh - 1)[:, None]) + 3600
+    k_pos = torch.cat([pos, nh[:, None].expand(B, M)], 1)
+    k_ts = torch.cat([ts, last_ts.expand(B, M)], 1)
+    args = (q_c, k, v, nh[:, None].expand(B, M), k_pos, last_ts.expand(B, M), k_ts, nh,
+            (Nh + torch.arange(M))[None].expand(B, M), torch.randn(H, Nh + 1, generator=g).half(),
+            (torch.randn(H, T, generator=g) * 3).half(), 1.6, d ** -0.5, float(Nh))
+    out = K._launch_hstu(*args, time_steps=3)
+    assert torch.equal(out, K._launch_hstu(*args, time_steps=0))
+    ref = R.hstu_attention(*_f32(*args[:3]), *args[3:9], args[9].float(), args[10].float(), *args[11:])
+    _close(out, ref, dict(atol=2e-3, rtol=1e-2))
+
+
 # --------------------------------------------------------------------------------------------
 def test_dispatcher_routes_to_kernels(monkeypatch):
     """With the backend forced to Triton, the public ops run these kernels under the same names."""

@@ -2,13 +2,19 @@
 
 The CPU interpreter runs kernels as numpy code and misses errors only the compiler sees
 (a loop-carried value changing dtype, a tl.dot shape below 16, an unsupported op). Here each
-@triton.jit kernel goes through the real pipeline down to a cubin with the bundled ptxas.
+@triton.jit kernel goes through the real pipeline down to a cubin with the bundled ptxas, and
+ptxas' own register and spill counts of the HSTU kernel's tiles are checked: a tile that spills
+to local memory runs several times slower (fp32 tiles on the FMA units hold every operand in
+registers).
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -49,7 +55,7 @@ def _load_compilable_kernels():
 K = _load_compilable_kernels() if IN_PROCESS else None
 
 # pointer arguments that hold integer indices / lengths / positions / timestamps
-INT_PTRS = {"len_ptr", "idx_ptr", "qpos_ptr", "kpos_ptr", "qts_ptr", "kts_ptr", "nh_ptr", "qself_ptr"}
+INT_PTRS = {"len_ptr", "idx_ptr", "qpos_ptr", "kpos_ptr", "qts_ptr", "kts_ptr", "nh_ptr", "qself_ptr", "cthr_ptr"}
 FLOAT_SCALARS = {"qk_scale", "inv_heads", "scale", "inv_norm", "inv_log2_base"}
 FP32_PTRS = {"_pfa_scores_kernel": {"out_ptr"}, "_beam_head_mean_kernel": {"stat_ptr", "out_ptr"},
              "_hstu_attention_kernel": {"pb_ptr", "tb_ptr", "thr_ptr"},
@@ -102,24 +108,64 @@ CASES = [
     ("_gather_rows_kernel", "rows", lambda dt: dict(BLOCK_J=8, BLOCK_F=512)),
     ("_hstu_attention_kernel", "d32",
      lambda dt: dict(D=32, DV=32, BLOCK_M=64, BLOCK_N=64, BLOCK_D=32, BLOCK_DV=32, DOT_PRECISION=_precision(dt),
-                     BIASES=2)),
+                     BIASES=2, TIME_STEPS=3)),
     ("_hstu_attention_kernel", "d16_dv48",
      lambda dt: dict(D=16, DV=48, BLOCK_M=16, BLOCK_N=16, BLOCK_D=16, BLOCK_DV=64, DOT_PRECISION=_precision(dt),
-                     BIASES=2)),
+                     BIASES=2, TIME_STEPS=3)),
+    ("_hstu_attention_kernel", "per_pair_time_d32",  # every pair's own time bucket
+     lambda dt: dict(D=32, DV=32, BLOCK_M=32, BLOCK_N=32, BLOCK_D=32, BLOCK_DV=32, DOT_PRECISION=_precision(dt),
+                     BIASES=2, TIME_STEPS=0)),
     ("_hstu_attention_kernel", "no_bias_d64",  # the efficiency profile's variant
      lambda dt: dict(D=64, DV=64, BLOCK_M=128, BLOCK_N=32, BLOCK_D=64, BLOCK_DV=64, DOT_PRECISION=_precision(dt),
-                     BIASES=0)),
+                     BIASES=0, TIME_STEPS=3)),
 ]
 
 
-def _compile(kernel: str, case: str, dtype: str) -> None:
-    constexprs = next(c[2] for c in CASES if c[0] == kernel and c[1] == case)
+def _compile(kernel: str, case: str, dtype: str, options=None, constexprs=None):
+    if constexprs is None:
+        constexprs = next(c[2] for c in CASES if c[0] == kernel and c[1] == case)(dtype)
     fn = getattr(K, kernel)
     assert isinstance(fn, triton.runtime.JITFunction)
-    src = ASTSource(fn, signature=_signature(fn, dtype), constexprs=constexprs(dtype))
-    compiled = triton.compile(src, target=TARGET, options={"num_warps": 4})
+    src = ASTSource(fn, signature=_signature(fn, dtype), constexprs=constexprs)
+    compiled = triton.compile(src, target=TARGET, options=options or {"num_warps": 4})
     assert compiled.asm.get("cubin"), "no cubin produced"
     assert ".target sm_90" in compiled.asm["ptx"]
+    return compiled
+
+
+# HSTU tiles whose ptxas counts are checked: the op's tile of each dtype at head dims 32 and 64
+def _hstu_usage_cases() -> list:
+    return [("fp32", 16), ("fp32", 32), ("fp32", 64), ("fp32", 128), ("fp16", 32), ("fp16", 64)]
+
+
+def _hstu_usage(dtype: str, d: int) -> dict:
+    """ptxas' counts for the op's HSTU tile of `dtype` at head dim d (registers, spill bytes), from
+    the log of the compile Triton itself runs (its own ptxas flags); {} where this Triton cannot
+    print that log."""
+    knobs = getattr(triton, "knobs", None)
+    if knobs is None or not hasattr(knobs.nvidia, "dump_ptxas_log") or not hasattr(knobs.compilation,
+                                                                                    "always_compile"):
+        return {}
+    import torch
+
+    bm, bn, warps, stages = K.hstu_tile(torch.float32 if dtype == "fp32" else torch.float16, d)
+    constexprs = dict(D=d, DV=d, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=d, BLOCK_DV=d, DOT_PRECISION=_precision(dtype),
+                      BIASES=2, TIME_STEPS=3)
+    log = io.StringIO()
+    saved = knobs.nvidia.dump_ptxas_log, knobs.compilation.always_compile
+    knobs.nvidia.dump_ptxas_log, knobs.compilation.always_compile = True, True  # a cached cubin prints nothing
+    try:
+        with contextlib.redirect_stdout(log):
+            _compile("_hstu_attention_kernel", "", dtype, {"num_warps": warps, "num_stages": stages}, constexprs)
+    finally:
+        knobs.nvidia.dump_ptxas_log, knobs.compilation.always_compile = saved
+    text = log.getvalue()
+    regs = re.search(r"Used (\d+) registers", text)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
+    if not regs or not spills:
+        return {}
+    return dict(tile=[bm, bn, warps, stages], registers=int(regs.group(1)), spill_stores=int(spills.group(1)),
+                spill_loads=int(spills.group(2)))
 
 
 def _jitted_kernels() -> list:
@@ -137,6 +183,11 @@ def _compile_all() -> dict:
                 results[f"{kernel}/{case}/{dtype}"] = ""
             except Exception as exc:  # reported per case by the tests
                 results[f"{kernel}/{case}/{dtype}"] = f"{type(exc).__name__}: {exc}"
+    for dtype, d in _hstu_usage_cases():
+        try:
+            results[f"usage/{dtype}/{d}"] = _hstu_usage(dtype, d)
+        except Exception as exc:
+            results[f"usage/{dtype}/{d}"] = f"{type(exc).__name__}: {exc}"
     return results
 
 
@@ -163,6 +214,29 @@ def test_compiles_for_sm90(kernel, case, dtype, request):
     else:
         error = request.getfixturevalue("fresh_process_results")[f"{kernel}/{case}/{dtype}"]
         assert not error, error
+
+
+@pytest.mark.parametrize("dtype,d", _hstu_usage_cases())
+def test_hstu_tile_registers(dtype, d, request):
+    """ptxas counts of the op's HSTU tile: fp32 must not spill (its products run on the FMA units
+    with q, k, v, the logits and the accumulator all in registers); fp16 may spill a little (its
+    tensor-core tiles with 3 pipeline stages sit at the 255-register limit: 436 / 808 bytes before
+    the per-row time path, 684-1260 / 824-1512 with it), bounded here so that a change which makes it
+    spill much more fails."""
+    if IN_PROCESS:
+        usage = _hstu_usage(dtype, d)
+    else:
+        usage = request.getfixturevalue("fresh_process_results")[f"usage/{dtype}/{d}"]
+        assert not isinstance(usage, str), usage
+    if not usage:
+        pytest.skip("this Triton cannot print ptxas' log (triton.knobs.nvidia.dump_ptxas_log)")
+    print(f"HSTU {dtype} d{d} tile {usage['tile']}: {usage['registers']} registers, "
+          f"{usage['spill_stores']} / {usage['spill_loads']} bytes spill stores / loads")
+    assert 0 < usage["registers"] <= 255
+    if dtype == "fp32":
+        assert usage["spill_stores"] == 0 and usage["spill_loads"] == 0, usage
+    else:
+        assert usage["spill_stores"] <= 1536, usage
 
 
 if __name__ == "__main__":  # the fresh-process run: one JSON line of results

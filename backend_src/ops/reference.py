@@ -48,6 +48,28 @@ def time_bucket_thresholds(num_buckets: int, base: float) -> torch.Tensor:
     return torch.cat([torch.zeros(1), thr, torch.full((1,), math.inf)])
 
 
+INT_THRESHOLD_INF = 1 << 62  # stands for an unreachable bucket in time_bucket_int_thresholds
+
+
+@functools.lru_cache(maxsize=None)
+def time_bucket_int_thresholds(num_buckets: int, base: float) -> torch.Tensor:
+    """c[t] = smallest integer |dt| (seconds) whose time bucket is >= t, int64 [T + 1]
+    (c[0] = 0; c[T] and unreachable buckets INT_THRESHOLD_INF).
+
+    time_bucket rounds the int64 |dt| to float32, a monotone map, so |dt| >= c[t] exactly when
+    float32(|dt|) >= thr[t]: a kernel compares integer times against these without converting each
+    pair (the GPU kernel's per-row bucket boundaries)."""
+    thr = time_bucket_thresholds(num_buckets, base)
+    lo = torch.full((num_buckets + 1,), -1, dtype=torch.int64)  # float32(lo) < thr (or lo = -1)
+    hi = torch.full((num_buckets + 1,), INT_THRESHOLD_INF, dtype=torch.int64)
+    for _ in range(64):  # invariant: float32(hi) >= thr where reachable
+        mid = lo + (hi - lo) // 2
+        up = mid.to(torch.float32) >= thr
+        hi = torch.where(up, mid, hi)
+        lo = torch.where(up, lo, mid)
+    return torch.where(torch.isfinite(thr), hi, torch.full_like(hi, INT_THRESHOLD_INF))
+
+
 # --------------------------------------------------------------------------------------------
 # HSTU pointwise attention (seed 001) with relative position + time bias and the M-FALCON mask
 # --------------------------------------------------------------------------------------------
