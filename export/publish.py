@@ -4,13 +4,23 @@
     python -m export.publish rollback --repository model_repository [--server localhost:8001]
     (reloading needs the server's admin key: GENREC_ADMIN_KEY, or --admin-key-file, default runs/admin.key)
     python -m export.publish list --repository model_repository
+    python -m export.publish verify --repository model_repository   (every version against its manifest)
 
-publish: each Python model's next version directory (model.py, model.pt = the checkpoint, the
-ranker's optional ranker.onnx / ranker.plan, publish.json) is built in a staging folder on the
+publish: each Python model's next version directory is built in a staging folder on the
 repository's filesystem and moved into ``<repository>/<model>/<version>/`` with one
-``os.rename``, so a server never sees half a version. Then every config.pbtxt is rewritten
-(atomically) and, given a server, each model is reloaded: the server loads the new version
-while the old one keeps serving, then drops the old one (version_policy latest 1).
+``os.rename``, so a server never sees half a version. A version holds everything it runs, and no
+absolute path, so a rollback serves the old code with the old weights and a repository can be
+copied elsewhere and served:
+
+    model.py           the stage's Triton model
+    backend_src/       the package at this version (its .py files); model.py imports this copy
+    <stage>.pt         this stage's part of the checkpoint (encoder.pt, decoder.pt, ranker.pt)
+    ranker.onnx        the ranker's export (and ranker.plan where TensorRT built one)
+    manifest.json      package version and hash, checkpoint hash, serving options, every file's hash
+
+Then every config.pbtxt is rewritten (atomically) and, given a server, each model is reloaded:
+the server loads the new version while the old one keeps serving, then drops the old one
+(version_policy latest 1).
 
 rollback: moves the newest version of each model to ``<repository>/<model>/.retired/`` and
 reloads, so the previous version serves again. Version numbers only grow: a publish after a
@@ -22,6 +32,7 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -29,18 +40,14 @@ import time
 from pathlib import Path
 
 from backend_src.serving import protocol as P
-from export.triton_configs import (
-    CODE_ROOT,
-    ServingOptions,
-    add_serving_arguments,
-    config_from_checkpoint,
-    serving_options_from_args,
-    write_configs,
-)
+from export.triton_configs import ServingOptions, add_serving_arguments, serving_options_from_args, write_configs
 
 RETIRED = ".retired"
 ENSEMBLE_VERSION = 1  # the ensemble has no weights: one version that always follows the latest steps
-MODEL_SOURCES = CODE_ROOT / "model_repository"  # where each model's model.py lives
+PROJECT_ROOT = Path(__file__).resolve().parents[1]  # holds the package and model_repository/<model>/model.py
+PACKAGE = "backend_src"
+MANIFEST = "manifest.json"
+STAGES = {P.ENCODER: "encoder", P.DECODER: "decoder", P.RANKER: "ranker"}  # keys of recommender.STAGE_PARTS
 SERVER_HELP = "gRPC address of a running server to reload, e.g. localhost:8001 (several: comma-separated)"
 ADMIN_KEY_HELP = "file with the server's admin key (default: GENREC_ADMIN_KEY, else runs/admin.key)"
 
@@ -83,23 +90,32 @@ def publish(
     server: str | None = None,
     ranker_onnx=None,
     ranker_plan=None,
-    model_sources: Path = MODEL_SOURCES,
+    package_root: Path = PROJECT_ROOT,
     export_ranker: bool = True,
     admin_key: str | None = None,
 ) -> dict:
     """Add the next version of every Python model; returns {model: version}.
 
-    Unless given ready-made files (or export_ranker is False), the ranker is exported to ONNX
-    from the checkpoint, and built into a TensorRT plan where TensorRT is importable."""
-    checkpoint, repository = Path(checkpoint), Path(repository)
+    Each version gets `package_root`'s backend_src and model_repository/<model>/model.py (the
+    code it will run) and its stage's part of the checkpoint, which is loaded once. Unless
+    given ready-made files (or export_ranker is False), the ranker is exported to ONNX, and
+    built into a TensorRT plan where TensorRT is importable."""
+    from backend_src.model.recommender import GenerativeRecommender
+
+    checkpoint, repository, package_root = Path(checkpoint), Path(repository), Path(package_root)
     if server:
         check_server_access(server, admin_key)  # before anything changes
-    repository.mkdir(parents=True, exist_ok=True)
-    cfg = config_from_checkpoint(checkpoint)
+    sources = {m: package_root / "model_repository" / m / "model.py" for m in P.PYTHON_MODELS}
+    missing = [str(p) for p in [package_root / PACKAGE / "__init__.py", *sources.values()] if not p.is_file()]
+    if missing:
+        raise FileNotFoundError(f"{package_root} is not a package root: missing {', '.join(missing)}")
+    recommender = GenerativeRecommender.load(checkpoint)
+    cfg = recommender.cfg
     options = options or ServingOptions()
+    repository.mkdir(parents=True, exist_ok=True)
     meta = {
-        "checkpoint": str(checkpoint.resolve()),
-        "sha256": _sha256(checkpoint),
+        "package": package_info(package_root),
+        "checkpoint": {"file": checkpoint.name, "sha256": _sha256(checkpoint)},  # a name, never a path
         "published_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "serving_options": options.to_dict(),
     }
@@ -111,16 +127,20 @@ def publish(
             v = next_version(repository / model)
             vdir = staging / model / str(v)
             vdir.mkdir(parents=True)
-            shutil.copy2(model_sources / model / "model.py", vdir / "model.py")
-            shutil.copy2(checkpoint, vdir / "model.pt")
+            shutil.copy2(sources[model], vdir / "model.py")
+            copy_package(package_root / PACKAGE, vdir / PACKAGE)
+            recommender.save_stage(vdir / f"{STAGES[model]}.pt", STAGES[model])
+            exported = {}
             if model == P.RANKER:
                 if ranker_onnx:
                     shutil.copy2(ranker_onnx, vdir / "ranker.onnx")
+                    exported["ranker.onnx"] = "given"
                 elif export_ranker:
-                    _export_ranker(checkpoint, vdir)
+                    exported.update(_export_ranker(recommender, vdir))
                 if ranker_plan:
                     shutil.copy2(ranker_plan, vdir / "ranker.plan")
-            (vdir / "publish.json").write_text(json.dumps({**meta, "model": model, "version": v}, indent=2))
+                    exported["ranker.plan"] = "given"
+            write_manifest(vdir, {**meta, "model": model, "version": v, "stage": STAGES[model], "exported": exported})
             done[model] = v
         # 2. configs first (new tensor dims must be there when the new version loads), then
         #    one rename per model; the server only looks at them on load_model
@@ -148,23 +168,86 @@ def current_options(repository) -> ServingOptions | None:
     vs = versions(model_dir)
     if not vs:
         return None
-    saved = json.loads((model_dir / str(vs[-1]) / "publish.json").read_text())["serving_options"]
+    vdir = model_dir / str(vs[-1])
+    saved_file = vdir / MANIFEST if (vdir / MANIFEST).exists() else vdir / "publish.json"  # older versions
+    saved = json.loads(saved_file.read_text())["serving_options"]
     known = {f.name for f in dataclasses.fields(ServingOptions)}
     opts = {k: v for k, v in saved.items() if k in known}
     opts["decode"] = DecodeOptions(**opts["decode"])
     return ServingOptions(**opts)
 
 
-def _export_ranker(checkpoint: Path, vdir: Path) -> None:
+def _export_ranker(model, vdir: Path) -> dict:
     """ranker.onnx (always) and ranker.plan (where TensorRT can build one) for this version."""
-    from backend_src.model.recommender import GenerativeRecommender
     from export.onnx_ranker import export_ranker_onnx
     from export.tensorrt_ranker import build_tensorrt_plan, default_profiles, tensorrt_available
 
-    model = GenerativeRecommender.load(checkpoint)
     export_ranker_onnx(model, vdir / "ranker.onnx")
-    if tensorrt_available()[0]:
-        build_tensorrt_plan(vdir / "ranker.onnx", vdir / "ranker.plan", default_profiles(model.cfg))
+    if not tensorrt_available()[0]:
+        return {"ranker.onnx": "exported"}
+    build_tensorrt_plan(vdir / "ranker.onnx", vdir / "ranker.plan", default_profiles(model.cfg))
+    return {"ranker.onnx": "exported", "ranker.plan": "exported"}
+
+
+# --------------------------------------------------------------------------------------------
+# What a version carries: its package and a manifest
+# --------------------------------------------------------------------------------------------
+def _package_files(package_dir: Path) -> list:
+    """The package's .py files, relative to it, sorted (no bytecode, no caches)."""
+    return sorted(p.relative_to(package_dir) for p in package_dir.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def copy_package(package_dir: Path, dest: Path) -> None:
+    for rel in _package_files(package_dir):
+        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(package_dir / rel, dest / rel)
+
+
+def package_info(package_root: Path) -> dict:
+    """Name, __version__ and a hash of every .py file of the package under `package_root`."""
+    package_dir = Path(package_root) / PACKAGE
+    found = re.search(r'^__version__\s*=\s*["\']([^"\']+)["\']', (package_dir / "__init__.py").read_text(), re.M)
+    h = hashlib.sha256()
+    for rel in _package_files(package_dir):
+        h.update(rel.as_posix().encode() + b"\0" + _sha256(package_dir / rel).encode() + b"\0")
+    return {"name": PACKAGE, "version": found.group(1) if found else None, "sha256": h.hexdigest()}
+
+
+def _version_files(vdir: Path) -> dict:
+    """Relative path -> sha256 of every file of a version directory but the manifest (bytecode
+    and kernel caches written while serving are not part of it)."""
+    return {
+        p.relative_to(vdir).as_posix(): _sha256(p)
+        for p in sorted(vdir.rglob("*"))
+        if p.is_file() and p.name != MANIFEST and "__pycache__" not in p.relative_to(vdir).parts
+    }
+
+
+def write_manifest(vdir: Path, manifest: dict) -> None:
+    manifest = {**manifest, "files": _version_files(vdir)}
+    (vdir / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+
+
+def read_manifest(vdir) -> dict:
+    return json.loads((Path(vdir) / MANIFEST).read_text())
+
+
+def verify_version(vdir) -> list:
+    """What differs between a version directory and its manifest (empty: nothing)."""
+    vdir = Path(vdir)
+    if not (vdir / MANIFEST).is_file():
+        return [f"{vdir.name}: no {MANIFEST}"]
+    want, have = read_manifest(vdir)["files"], _version_files(vdir)
+    problems = [f"missing {f}" for f in sorted(set(want) - set(have))]
+    problems += [f"changed {f}" for f in sorted(set(want) & set(have)) if want[f] != have[f]]
+    problems += [f"not in the manifest: {f}" for f in sorted(set(have) - set(want))]
+    return problems
+
+
+def verify(repository) -> dict:
+    """{"<model>/<version>": problems} for every served version of the repository."""
+    repository = Path(repository)
+    return {f"{m}/{v}": verify_version(repository / m / str(v)) for m in P.PYTHON_MODELS for v in versions(repository / m)}
 
 
 def rollback(repository, server: str | None = None, admin_key: str | None = None) -> dict:
@@ -261,6 +344,8 @@ def main(argv=None) -> int:
     p.add_argument("--ranker-plan", default=None, help="TensorRT plan of the ranker, placed in the ranker's version")
     p.add_argument("--no-ranker-export", action="store_true", help="serve the ranker in torch (no ONNX/TensorRT export)")
     p.add_argument("--admin-key-file", default=None, help=ADMIN_KEY_HELP)
+    p.add_argument("--package-root", default=str(PROJECT_ROOT),
+                   help="folder holding the backend_src and model_repository to publish (default: this checkout)")
     add_serving_arguments(p)
     r = sub.add_parser("rollback", help="retire the newest version of every model")
     r.add_argument("--repository", default="model_repository")
@@ -268,6 +353,8 @@ def main(argv=None) -> int:
     r.add_argument("--admin-key-file", default=None, help=ADMIN_KEY_HELP)
     ls = sub.add_parser("list", help="show versions")
     ls.add_argument("--repository", default="model_repository")
+    vf = sub.add_parser("verify", help="check every version directory against its manifest")
+    vf.add_argument("--repository", default="model_repository")
     a = ap.parse_args(argv)
     if getattr(a, "server", None) and "," in a.server:
         a.server = [u.strip() for u in a.server.split(",") if u.strip()]
@@ -285,7 +372,8 @@ def main(argv=None) -> int:
     if a.action == "publish":
         try:
             done = publish(a.checkpoint, a.repository, serving_options_from_args(a), a.server, a.ranker_onnx,
-                           a.ranker_plan, export_ranker=not a.no_ranker_export, admin_key=admin_key)
+                           a.ranker_plan, package_root=Path(a.package_root), export_ranker=not a.no_ranker_export,
+                           admin_key=admin_key)
         except InferenceServerException as e:
             print(f"{a.server}: {e.message()}", file=sys.stderr)
             return 1
@@ -300,6 +388,12 @@ def main(argv=None) -> int:
             print(f"{a.server}: {e.message()}", file=sys.stderr)
             return 1
         print("rolled back " + ", ".join(f"{m} v{old} -> v{new}" for m, (old, new) in plan.items()))
+    elif a.action == "verify":
+        bad = 0
+        for name, problems in verify(a.repository).items():
+            bad += bool(problems)
+            print(f"{name:20s} " + ("; ".join(problems) if problems else "ok"))
+        return 1 if bad else 0
     else:
         for model, info in describe(a.repository).items():
             vs = info["versions"]

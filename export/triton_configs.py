@@ -1,7 +1,8 @@
 """Generate every config.pbtxt of the model repository from the tensor contract
 (backend_src/serving/protocol.py), the model's ModelConfig and the serving options.
 
-Configs are written by this tool only (atomically), never edited by hand:
+Configs name no path (each version runs the code published into it, export/publish.py) and
+are written by this tool only (atomically), never edited by hand:
 
     python -m export.triton_configs --checkpoint ckpt.pt --repository model_repository
 """
@@ -17,8 +18,6 @@ from pathlib import Path
 from backend_src.config import DecodeOptions, ModelConfig
 from backend_src.serving import protocol as P
 from backend_src.serving.session_store import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_BYTES
-
-CODE_ROOT = Path(__file__).resolve().parents[1]  # the folder holding backend_src
 
 
 @dataclass
@@ -42,7 +41,9 @@ class ServingOptions:
     # batching of the stateless stages
     decoder_max_batch_size: int = 16
     ranker_max_batch_size: int = 16
-    max_queue_delay_us: int = 1000
+    # 0: a stage takes what has queued while it was busy and never waits for more; at concurrency 1
+    # any delay is added to every request at every stage (perf/results/served_ml1m.json)
+    max_queue_delay_us: int = 0
     # request defaults and limits
     decode: DecodeOptions = field(default_factory=DecodeOptions)  # seed 000: pfa, beam 100, k 256, r 0.5, s 1
     top_k: int = 10
@@ -53,7 +54,6 @@ class ServingOptions:
     rank_by: str = "fused"  # order of the top-K: "fused" (M-FALCON logit + retrieval log-prob) or "ranker" (logit)
     ranker_backend: str = "auto"  # auto (TensorRT plan on a GPU > ranker.onnx > torch) | torch | onnx | tensorrt
     torch_threads: int = 1
-    code_root: str = str(CODE_ROOT)
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -101,7 +101,6 @@ def _header(name: str, max_batch_size: int, instances: int | None) -> str:
 def _common_params(cfg: ModelConfig, opt: ServingOptions) -> dict:
     d = opt.decode
     return {
-        "code_root": opt.code_root,
         "max_history": opt.max_history or cfg.max_seq_len,
         "top_k": opt.top_k,
         "max_top_k": opt.max_top_k,

@@ -4,7 +4,6 @@ import shutil
 
 import numpy as np
 import pytest
-import torch
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
@@ -207,7 +206,7 @@ def _parse(text: str):
 
 
 def test_generated_configs_parse_and_follow_the_contract():
-    texts = render(CFG, ServingOptions(visit_idle_s=30, encoder_instances=2, code_root="/code"))
+    texts = render(CFG, ServingOptions(visit_idle_s=30, encoder_instances=2))
     enc = _parse(texts[P.ENCODER])
     assert enc.backend == "python" and enc.max_batch_size > 0
     sb = enc.sequence_batching
@@ -222,7 +221,7 @@ def test_generated_configs_parse_and_follow_the_contract():
     ins = {i.name: i for i in enc.input}
     assert ins["ITEM_IDS"].data_type == model_config_pb2.TYPE_STRING and ins["ITEM_IDS"].allow_ragged_batch
     assert ins["TOP_K"].optional and not ins["ITEM_IDS"].optional
-    assert enc.parameters["code_root"].string_value == "/code"
+    assert "code_root" not in enc.parameters  # a version runs its own code: no path in any config
     assert enc.version_policy.latest.num_versions == 1
 
     dec, rank = _parse(texts[P.DECODER]), _parse(texts[P.RANKER])
@@ -253,8 +252,10 @@ def test_max_history_cannot_exceed_model_length(tmp_path):
 # ------------------------------------------------------------------------------ publish
 @pytest.fixture()
 def fake_checkpoint(tmp_path):
+    from backend_src.model.recommender import GenerativeRecommender
+
     path = tmp_path / "ckpt.pt"
-    torch.save({"format": 1, "config": CFG.to_dict()}, path)
+    GenerativeRecommender.untrained([None] + [f"sku-{i}" for i in range(1, 51)], 20, seed=0).save(path)
     return path
 
 
@@ -266,7 +267,9 @@ def test_publish_rollback_and_version_numbers(tmp_path, fake_checkpoint):
     assert pub.publish(fake_checkpoint, repo, ranker_onnx=onnx) == {m: 2 for m in P.PYTHON_MODELS}
     for m in P.PYTHON_MODELS:
         v = repo / m / "2"
-        assert (v / "model.py").exists() and (v / "model.pt").read_bytes() == fake_checkpoint.read_bytes()
+        assert (v / "model.py").read_bytes() == (pub.PROJECT_ROOT / "model_repository" / m / "model.py").read_bytes()
+        assert (v / "backend_src" / "model" / "recommender.py").is_file() and not list(v.rglob("__pycache__"))
+        assert (v / f"{pub.STAGES[m]}.pt").is_file() and not (v / "model.pt").exists()
         assert (repo / m / "config.pbtxt").exists()
     assert (repo / P.RANKER / "2" / "ranker.onnx").exists() and not (repo / P.RANKER / "1" / "ranker.onnx").exists()
     assert (repo / P.ENSEMBLE / "1").is_dir() and (repo / P.ENSEMBLE / "config.pbtxt").exists()

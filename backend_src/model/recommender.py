@@ -22,6 +22,14 @@ from backend_src.model.ranker import MFalconRanker
 from backend_src.model.semantic_ids import SemanticIdCodebook
 
 CHECKPOINT_FORMAT = 1
+# What each served stage runs; its artifact (save_stage) holds these parts only. "vocabulary" is
+# the raw item ids (the encoder reads them in, the ranker writes them out).
+MODEL_PARTS = ("backbone", "decoder", "ranker", "codebook", "vocabulary")
+STAGE_PARTS = {
+    "encoder": ("backbone", "vocabulary"),
+    "decoder": ("decoder", "codebook"),
+    "ranker": ("backbone", "ranker", "vocabulary"),
+}
 
 
 def fuse(rank_scores: torch.Tensor, log_probs: torch.Tensor, weight) -> torch.Tensor:
@@ -94,42 +102,71 @@ class Recommendations:
 
 
 class GenerativeRecommender(nn.Module):
-    def __init__(self, cfg: ModelConfig, codebook: SemanticIdCodebook, item_ids: Sequence):
+    def __init__(self, cfg: ModelConfig, codebook: SemanticIdCodebook, item_ids: Sequence, parts: Sequence = MODEL_PARTS):
+        """`parts`: the subset of MODEL_PARTS to build (a served stage's); the others are None
+        (the vocabulary: only the padding index)."""
         super().__init__()
+        unknown = set(parts) - set(MODEL_PARTS)
+        if unknown or ("ranker" in parts and "backbone" not in parts):
+            raise ValueError(f"parts must be a subset of {MODEL_PARTS} (the ranker needs the backbone), got {tuple(parts)}")
         self.cfg = cfg
-        self.backbone = HSTUEncoder(cfg)
-        self.decoder = SemanticIdDecoder(cfg)
-        self.ranker = MFalconRanker(self.backbone, cfg)
-        self.codebook = codebook
+        self.parts = tuple(p for p in MODEL_PARTS if p in parts)
+        self.backbone = HSTUEncoder(cfg) if "backbone" in parts else None
+        self.decoder = SemanticIdDecoder(cfg) if "decoder" in parts else None
+        self.ranker = MFalconRanker(self.backbone, cfg) if "ranker" in parts else None
+        self.codebook = codebook if "codebook" in parts else None
+        if "vocabulary" not in parts:
+            item_ids = [None]
         self.item_ids = np.asarray(item_ids, dtype=object)  # raw id of each item index; [0] = None
         self._index = {str(raw): i for i, raw in enumerate(self.item_ids) if i > 0}
 
     # ---------------------------------------------------------------- persistence
     def save(self, path, metadata: dict | None = None) -> None:
+        if self.parts != MODEL_PARTS:
+            raise ValueError(f"a checkpoint needs the whole model; this one has {self.parts} (save_stage?)")
+        self._write(path, self.state_dict(), metadata or {})
+
+    def save_stage(self, path, stage: str, metadata: dict | None = None) -> None:
+        """What the served stage `stage` (a key of STAGE_PARTS) loads: the checkpoint's format
+        with that stage's parts only; `load` reads it back as a model of those parts."""
+        parts = STAGE_PARTS[stage]
+        modules = tuple(f"{p}." for p in parts if p != "vocabulary")
+        state = {k: v for k, v in self.state_dict().items() if k.startswith(modules)}
+        if metadata is None:  # the checkpoint's, less what only resuming training reads (optimizer, RNG)
+            metadata = {k: v for k, v in getattr(self, "metadata", {}).items() if k != "train_state"}
+        self._write(path, state, metadata, stage=stage)
+
+    def _write(self, path, state_dict: dict, metadata: dict, stage: str | None = None) -> None:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(path.suffix + ".tmp")
-        torch.save(
-            {
-                "format": CHECKPOINT_FORMAT,
-                "config": self.cfg.to_dict(),
-                "state_dict": self.state_dict(),
-                "item_ids": [None if x is None else str(x) for x in self.item_ids],
-                "metadata": metadata or {},
-            },
-            tmp,
-        )
+        blob = {
+            "format": CHECKPOINT_FORMAT,
+            "config": self.cfg.to_dict(),
+            "state_dict": state_dict,
+            "item_ids": [None if x is None else str(x) for x in self.item_ids],
+            "metadata": metadata,
+        }
+        if stage is not None:
+            blob["stage"] = stage
+            if "vocabulary" not in STAGE_PARTS[stage]:
+                blob["item_ids"] = [None]
+        torch.save(blob, tmp)
         tmp.replace(path)  # atomic: a reader never sees half a checkpoint
 
     @classmethod
     def load(cls, path, map_location="cpu") -> "GenerativeRecommender":
+        """A checkpoint (the whole model) or a stage's artifact (save_stage: that stage's parts)."""
         blob = torch.load(path, map_location=map_location, weights_only=False)
         if blob.get("format") != CHECKPOINT_FORMAT:
             raise ValueError(f"{path}: unsupported checkpoint format {blob.get('format')!r}")
         cfg = ModelConfig.from_dict(blob["config"])
-        model = cls(cfg, SemanticIdCodebook(), blob["item_ids"])  # tables take the stored shapes
+        stage = blob.get("stage")
+        parts = STAGE_PARTS[stage] if stage else MODEL_PARTS
+        model = cls(cfg, SemanticIdCodebook(), blob["item_ids"], parts=parts)  # tables take the stored shapes
         model.load_state_dict(blob["state_dict"])
         model.metadata = blob.get("metadata", {})
+        model.stage = stage
         return model.eval()
 
     @classmethod
@@ -154,15 +191,11 @@ class GenerativeRecommender(nn.Module):
     def item_indices(self, raw_ids: Sequence, strict: bool = True) -> np.ndarray:
         """Raw ids -> item indices. Unknown ids raise KeyError naming them, or map to 0 (the
         padding index) when not `strict` (a history logged under another catalog version)."""
-        out = np.empty(len(raw_ids), dtype=np.int64)
-        unknown = []
-        for j, raw in enumerate(raw_ids):  # a dict lookup per event: request-sized, not a hot loop
-            idx = self._index.get(raw.decode() if isinstance(raw, bytes) else str(raw))
-            if idx is None:
-                unknown.append(raw)
-                idx = 0
-            out[j] = idx
-        if unknown and strict:
+        get = self._index.get  # indices start at 1: 0 is what an unknown id gets
+        keys = (raw.decode() if isinstance(raw, bytes) else str(raw) for raw in raw_ids)
+        out = np.fromiter((get(k, 0) for k in keys), dtype=np.int64, count=len(raw_ids))
+        unknown = [raw_ids[j] for j in np.flatnonzero(out == 0)] if strict else []
+        if unknown:
             shown = ", ".join(repr(u) for u in unknown[:5])
             more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
             raise KeyError(f"unknown item ids: {shown}{more}")
@@ -179,7 +212,12 @@ class GenerativeRecommender(nn.Module):
         return self.backbone.append(cache, items, actions, timestamps, new_lengths, in_place=in_place)
 
     def retrieve(self, cache: HistoryCache, options: DecodeOptions) -> BeamResult:
-        return generate(self.decoder, self.codebook, cache.states, cache.lengths, options)
+        return self.retrieve_states(cache.states, cache.lengths, options)
+
+    def retrieve_states(self, states: torch.Tensor, lengths: torch.Tensor, options: DecodeOptions) -> BeamResult:
+        """Beam search over the final states [B, n, D] of histories of `lengths` [B] (all that
+        retrieval reads of a history)."""
+        return generate(self.decoder, self.codebook, states, lengths, options)
 
     def dense_operands(self, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(query [..., D], item table [I+1, D]) whose products are the dense head's scores:

@@ -26,12 +26,16 @@ import json
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
 LOG_SWEEP_INTERVAL_S = 600.0
+# Metrics go to Triton from a background thread: each update is a round trip to the server
+# process, which a request should not wait for.
+METRICS_INTERVAL_S = 1.0
 
 
 def _params(args) -> dict:
@@ -39,10 +43,18 @@ def _params(args) -> dict:
     return {k: v["string_value"] for k, v in cfg.get("parameters", {}).items()}
 
 
-def _import_path(params) -> None:
-    root = params.get("code_root") or str(Path(__file__).resolve().parents[3])
-    if root not in sys.path:
-        sys.path.insert(0, root)
+def _use_own_package(args) -> Path:
+    """Put this version's own copy of backend_src (published with it) first on the import path,
+    so that a version runs the code it was published with; returns the version directory."""
+    vdir = Path(args["model_repository"]) / args["model_version"]
+    sys.path.insert(0, str(vdir))
+    import backend_src
+
+    if Path(backend_src.__file__).resolve().parent != (vdir / "backend_src").resolve():
+        raise RuntimeError(f"{args['model_name']} v{args['model_version']}: backend_src was imported from "
+                           f"{backend_src.__file__}, not from its version directory")
+    pb_utils.Logger.log_info(f"{args['model_name']} v{args['model_version']}: backend_src {backend_src.__version__}")
+    return vdir
 
 
 def event_log_url(params: dict, model_dir: Path) -> str:
@@ -84,7 +96,7 @@ class _Plan:
 class TritonPythonModel:
     def initialize(self, args):
         params = _params(args)
-        _import_path(params)
+        vdir = _use_own_package(args)
         import torch
 
         from backend_src.model.hstu import HistoryCache
@@ -97,7 +109,7 @@ class TritonPythonModel:
         self.torch, self.P, self.V, self.Session, self.HistoryCache = torch, P, V, Session, HistoryCache
         torch.set_num_threads(int(params.get("torch_threads", 1)))
         model_dir = Path(args["model_repository"])
-        self.model = GenerativeRecommender.load(model_dir / args["model_version"] / "model.pt")
+        self.model = GenerativeRecommender.load(vdir / "encoder.pt")  # the backbone and the item ids only
         self.device = "cuda" if torch.cuda.is_available() else "cpu"  # sessions live where the model runs
         self.model.to(self.device)
         self.model.backbone.warm_up()
@@ -133,8 +145,8 @@ class TritonPythonModel:
         gc.freeze()
         gc.set_threshold(700, 10, 1000)
         self._stop = threading.Event()
-        self._sweeper = threading.Thread(target=self._sweep_log, daemon=True, name="event-log-retention")
-        self._sweeper.start()
+        self._background = threading.Thread(target=self._housekeeping, daemon=True, name="metrics-and-retention")
+        self._background.start()
 
     # ---- metrics on Triton's /metrics endpoint ---------------------------------------------
     def _metrics(self, args) -> None:
@@ -154,19 +166,38 @@ class TritonPythonModel:
         self.m_logged = family("genrec_events_logged_total", counter, "events written to the event log")
         self.m_replayed = family("genrec_events_replayed_total", counter, "events of retried requests not applied again")
         self.m_bound.set(self.store.max_bytes)
+        self._counted = {self.m_restored: 0, self.m_logged: 0, self.m_replayed: 0}  # not yet published
+        self._counted_lock = threading.Lock()
 
-    def _update_gauges(self) -> None:
+    def _count(self, metric, n: int) -> None:
+        with self._counted_lock:
+            self._counted[metric] += n
+
+    def _publish_metrics(self) -> None:
+        with self._counted_lock:
+            pending = [(m, n) for m, n in self._counted.items() if n]
+            self._counted = dict.fromkeys(self._counted, 0)
+        for metric, n in pending:
+            metric.increment(n)
         s = self.store.stats()
         self.m_bytes.set(s["bytes"])
         self.m_peak.set(s["peak_bytes"])
         self.m_sessions.set(s["sessions"])
 
-    def _sweep_log(self) -> None:
-        while not self._stop.wait(LOG_SWEEP_INTERVAL_S):
+    def _housekeeping(self) -> None:
+        """Publish the metrics every METRICS_INTERVAL_S, sweep the log every LOG_SWEEP_INTERVAL_S."""
+        next_sweep = time.monotonic() + LOG_SWEEP_INTERVAL_S
+        while not self._stop.wait(METRICS_INTERVAL_S):
             try:
-                self.log.sweep()
-            except Exception as e:  # noqa: BLE001 - retention retries at the next interval
-                print(f"history_encoder: event log retention sweep failed: {e}", file=sys.stderr)
+                self._publish_metrics()
+            except Exception as e:  # noqa: BLE001 - published again at the next interval
+                print(f"history_encoder: publishing metrics failed: {e}", file=sys.stderr)
+            if time.monotonic() >= next_sweep:
+                next_sweep = time.monotonic() + LOG_SWEEP_INTERVAL_S
+                try:
+                    self.log.sweep()
+                except Exception as e:  # noqa: BLE001 - retention retries at the next interval
+                    print(f"history_encoder: event log retention sweep failed: {e}", file=sys.stderr)
 
     # ---- one request -> parsed request (all checks that need neither log nor cache) ---------
     def _flag(self, request, name, bit):
@@ -219,7 +250,7 @@ class TritonPythonModel:
                 )
             skip = min(logged - offset, n)  # events the log already has: a retry, applied once
             if skip:
-                self.m_replayed.increment(skip)
+                self._count(self.m_replayed, skip)
             if logged == 0 and n == skip:
                 raise V.RequestError(
                     f"session {req.key[2:]!r} has no events on this server: open it with the user's history", P.NOT_FOUND
@@ -301,7 +332,7 @@ class TritonPythonModel:
         race with another writer fails (the client retries), nothing else changes."""
         from backend_src.serving.event_log import LogConflict
 
-        as_lists = lambda p: (list(p.new[0]), p.new[1].tolist(), p.new[2].tolist())  # noqa: E731
+        as_lists = lambda p: (list(p.new[0]), p.new[1], p.new[2])  # noqa: E731 - int64 arrays, converted at once
         appends = [p for p in plans if not p.reset and len(p.new[0])]
         results = self.log.append_many([(p.key, p.logged, *as_lists(p)) for p in appends])
         for p, r in zip(appends, results):
@@ -318,13 +349,13 @@ class TritonPythonModel:
                 p.count = int(self.log.replace(p.key, *as_lists(p)))
         logged = sum(len(p.new[0]) for p in plans if p.index not in errors)
         if logged:
-            self.m_logged.increment(logged)
+            self._count(self.m_logged, logged)
 
     def _commit(self, p) -> None:
         items, actions, ts = p.history
         self.store.put(p.key, self.Session(cache=p.cache, items=items, actions=actions, timestamps=ts, count=p.count))
         if p.restored:
-            self.m_restored.increment(1)
+            self._count(self.m_restored, 1)
 
     def _response(self, p):
         P, c = self.P, p.cache
@@ -419,10 +450,10 @@ class TritonPythonModel:
                 seen.add(key)
             self._round(now, responses)
             pending = later
-        self._update_gauges()
         return responses
 
     def finalize(self):
         self._stop.set()
+        self._background.join(timeout=5)
         self.store.clear()
         self.log.close()

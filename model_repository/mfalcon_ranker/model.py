@@ -1,16 +1,18 @@
-"""mfalcon_ranker: target-aware ranking of the decoder's candidates (seed 001's M-FALCON).
+"""mfalcon_ranker: target-aware ranking of the decoder's candidates (M-FALCON, from "Actions Speak
+Louder than Words: Trillion-Parameter Sequential Transducers for Generative Recommendations").
 
 The candidates attend to the history K/V handed over by history_encoder (never recomputed)
 and to themselves only, in microbatches. Requests batched together are ranked in one call
 (histories padded to the longest). The ranker runs on the fastest runtime this version holds
-(backend_src.serving.ranker_runtime): a TensorRT plan on a GPU host, ``ranker.onnx`` in ONNX
-Runtime, else torch. The top TOP_K by ranking score come back with their raw item ids,
+(backend_src.serving.ranker_runtime): a TensorRT plan on a GPU host; on a CPU ``ranker.onnx`` in
+ONNX Runtime or torch, whichever was faster for the history's length when the version loaded. The top TOP_K by ranking score come back with their raw item ids,
 retrieval log-probabilities and semantic IDs; with EXCLUDE_SEEN, candidates already in the
 session's history are left out and the fused order takes the checkpoint's weight for that policy.
 """
 import json
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -18,17 +20,43 @@ import triton_python_backend_utils as pb_utils
 RUNTIME_BACKENDS = {"auto": "auto", "torch": "torch", "onnx": "onnxruntime", "tensorrt": "tensorrt"}
 
 
+class _Ranking(NamedTuple):
+    """One request's inputs (its batch dimension dropped)."""
+
+    keys: np.ndarray  # [L, n, H, dh]
+    values: np.ndarray  # [L, n, H, dh]
+    timestamps: np.ndarray  # [n]
+    history_items: np.ndarray  # [n]
+    candidates: np.ndarray  # [W]
+    log_probs: np.ndarray  # [W]
+    codes: np.ndarray  # [W, C]
+    top_k: int
+    exclude_seen: bool
+
+
 def _params(args) -> dict:
     cfg = json.loads(args["model_config"])
     return {k: v["string_value"] for k, v in cfg.get("parameters", {}).items()}
 
 
+def _use_own_package(args) -> Path:
+    """Put this version's own copy of backend_src (published with it) first on the import path,
+    so that a version runs the code it was published with; returns the version directory."""
+    vdir = Path(args["model_repository"]) / args["model_version"]
+    sys.path.insert(0, str(vdir))
+    import backend_src
+
+    if Path(backend_src.__file__).resolve().parent != (vdir / "backend_src").resolve():
+        raise RuntimeError(f"{args['model_name']} v{args['model_version']}: backend_src was imported from "
+                           f"{backend_src.__file__}, not from its version directory")
+    pb_utils.Logger.log_info(f"{args['model_name']} v{args['model_version']}: backend_src {backend_src.__version__}")
+    return vdir
+
+
 class TritonPythonModel:
     def initialize(self, args):
         params = _params(args)
-        root = params.get("code_root") or str(Path(__file__).resolve().parents[3])
-        if root not in sys.path:
-            sys.path.insert(0, root)
+        vdir = _use_own_package(args)
         import torch
 
         from backend_src.model.recommender import RANK_ORDERS, GenerativeRecommender, served_order
@@ -37,8 +65,7 @@ class TritonPythonModel:
 
         self.torch, self.P, self.V, self.served_order = torch, P, V, served_order
         torch.set_num_threads(int(params.get("torch_threads", 1)))
-        vdir = Path(args["model_repository"]) / args["model_version"]
-        self.model = GenerativeRecommender.load(vdir / "model.pt")
+        self.model = GenerativeRecommender.load(vdir / "ranker.pt")  # the backbone, the ranking head and the item ids
         cfg = self.model.cfg
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         self.model.to(self.device)
@@ -59,9 +86,9 @@ class TritonPythonModel:
         self.runtime = RankerRuntime.from_version_dir(vdir, self.model, backend=backend)
         pb_utils.Logger.log_info(f"mfalcon_ranker v{args['model_version']}: ranking with {self.runtime}")
 
-    def _read(self, request):
+    def _read(self, request) -> "_Ranking":
         P, V = self.P, self.V
-        read = lambda spec: V.read_input(request, spec, self.sizes, self.max_elements, pb_utils.get_input_tensor_by_name)
+        read = lambda spec: V.read_input(request, spec, self.sizes, self.max_elements, pb_utils.get_input_tensor_by_name)  # noqa: E731
         keys = read(P.HISTORY_KEYS)  # [1, L, n, H, dh]
         values = read(P.HISTORY_VALUES)
         ts = read(P.HISTORY_TIMESTAMPS)  # [1, n]
@@ -80,21 +107,23 @@ class TritonPythonModel:
             num_items=self.model.cfg.num_items, codebook_sizes=self.model.cfg.codebook_sizes,
             max_history=self.max_history, max_candidates=self.max_beams,
         )
-        keys, values, ts, history_items, cands, log_probs, codes = (
-            x[0] for x in (keys, values, ts, history_items, cands, log_probs, codes)
-        )
-        return keys, values, ts, cands, log_probs, codes, top_k, history_items, exclude_seen
+        return _Ranking(keys[0], values[0], ts[0], history_items[0], cands[0], log_probs[0], codes[0], top_k, exclude_seen)
 
     def _scores(self, reqs, cands):
         """Ranking logits [B, M] of the batch's padded candidate lists cands [B, M] (histories
         padded to the longest)."""
         torch = self.torch
-        pad = torch.nn.utils.rnn.pad_sequence
-        lengths = torch.tensor([r[2].shape[0] for r in reqs], dtype=torch.long)
-        # per request [L, n, H, dh] -> padded [B, n, L, H, dh] -> [L, B, n, H, dh]
-        keys = pad([torch.from_numpy(r[0]).transpose(0, 1) for r in reqs], batch_first=True).permute(2, 0, 1, 3, 4).contiguous()
-        values = pad([torch.from_numpy(r[1]).transpose(0, 1) for r in reqs], batch_first=True).permute(2, 0, 1, 3, 4).contiguous()
-        ts = pad([torch.from_numpy(r[2]) for r in reqs], batch_first=True)  # [B, n]
+        if len(reqs) == 1:  # one request: its arrays as they are, no padding copies
+            r = reqs[0]
+            keys, values = torch.from_numpy(r.keys)[:, None], torch.from_numpy(r.values)[:, None]  # [L, 1, n, H, dh]
+            ts = torch.from_numpy(r.timestamps)[None]
+        else:
+            pad = torch.nn.utils.rnn.pad_sequence
+            # per request [L, n, H, dh] -> padded [B, n, L, H, dh] -> [L, B, n, H, dh]
+            keys = pad([torch.from_numpy(r.keys).transpose(0, 1) for r in reqs], batch_first=True).permute(2, 0, 1, 3, 4).contiguous()
+            values = pad([torch.from_numpy(r.values).transpose(0, 1) for r in reqs], batch_first=True).permute(2, 0, 1, 3, 4).contiguous()
+            ts = pad([torch.from_numpy(r.timestamps) for r in reqs], batch_first=True)  # [B, n]
+        lengths = torch.tensor([r.timestamps.shape[0] for r in reqs], dtype=torch.long)
         with torch.inference_mode():
             return torch.as_tensor(self.runtime.score(keys, values, ts, lengths, cands, self.microbatch)).float().cpu()
 
@@ -104,20 +133,20 @@ class TritonPythonModel:
         its first min(TOP_K, its candidates) slots: a shorter list's padding is empty and sorts last."""
         torch = self.torch
         pad = torch.nn.utils.rnn.pad_sequence
-        cands = pad([torch.from_numpy(r[3]).clamp(min=0) for r in reqs], batch_first=True)  # [B, M]; 0 = none
+        cands = pad([torch.from_numpy(r.candidates).clamp(min=0) for r in reqs], batch_first=True)  # [B, M]; 0 = none
         scores = self._scores(reqs, cands)
-        log_probs = pad([torch.from_numpy(r[4]).float() for r in reqs], batch_first=True, padding_value=float("-inf"))
-        codes = pad([torch.from_numpy(r[5]) for r in reqs], batch_first=True, padding_value=-1)  # [B, M, C]
-        exclude = torch.tensor([r[8] for r in reqs])  # [B] EXCLUDE_SEEN of each request
+        log_probs = pad([torch.from_numpy(r.log_probs).float() for r in reqs], batch_first=True, padding_value=float("-inf"))
+        codes = pad([torch.from_numpy(r.codes) for r in reqs], batch_first=True, padding_value=-1)  # [B, M, C]
+        exclude = torch.tensor([r.exclude_seen for r in reqs])  # [B]
         history = None
         if bool(exclude.any()):
-            history = pad([torch.from_numpy(r[7]) for r in reqs], batch_first=True)  # [B, n], 0 = padding
+            history = pad([torch.from_numpy(r.history_items) for r in reqs], batch_first=True)  # [B, n], 0 = padding
         # each request takes the fusion weight chosen on validation under its seen-item policy
         cfg = self.model.cfg
         weight = torch.where(exclude, cfg.fusion_weight(True), cfg.fusion_weight(False))[:, None]
         items, scores, log_probs, top = self.served_order(
             scores, log_probs, cands, history, fusion_weight=weight, rank_by=self.rank_by,
-            exclude_seen=exclude, top_k=max(r[6] for r in reqs),
+            exclude_seen=exclude, top_k=max(r.top_k for r in reqs),
         )
         codes = torch.gather(codes, 1, top[:, :, None].expand(-1, -1, codes.shape[-1]))
         return items, scores, log_probs, codes.masked_fill((items == 0)[:, :, None], -1)
@@ -145,18 +174,14 @@ class TritonPythonModel:
                 responses[i] = pb_utils.InferenceResponse(error=err)
             return responses
         items, scores, log_probs, codes = items.numpy(), scores.numpy(), log_probs.numpy(), codes.numpy()
-        for b, (i, (_, _, _, cands, _, _, top_k, _, _)) in enumerate(batch):
-            kk = min(top_k, cands.shape[0])
-            ids = self.raw_ids[items[b, :kk]]  # item 0 (an empty slot) -> b""
-            s = scores[b, :kk].astype(np.float32)
-            lp = log_probs[b, :kk].astype(np.float32)
-            c = codes[b, :kk].astype(np.int32)
+        for b, (i, r) in enumerate(batch):
+            kk = min(r.top_k, r.candidates.shape[0])
             responses[i] = pb_utils.InferenceResponse(
                 output_tensors=[
-                    pb_utils.Tensor(P.RECOMMENDED_IDS.name, ids[None]),
-                    pb_utils.Tensor(P.RANK_SCORES.name, s[None]),
-                    pb_utils.Tensor(P.RETRIEVAL_LOG_PROBS.name, lp[None]),
-                    pb_utils.Tensor(P.SEMANTIC_IDS.name, c[None]),
+                    pb_utils.Tensor(P.RECOMMENDED_IDS.name, self.raw_ids[items[b, :kk]][None]),  # item 0 (empty) -> b""
+                    pb_utils.Tensor(P.RANK_SCORES.name, scores[b : b + 1, :kk].astype(np.float32)),
+                    pb_utils.Tensor(P.RETRIEVAL_LOG_PROBS.name, log_probs[b : b + 1, :kk].astype(np.float32)),
+                    pb_utils.Tensor(P.SEMANTIC_IDS.name, codes[b : b + 1, :kk].astype(np.int32)),
                 ]
             )
         return responses

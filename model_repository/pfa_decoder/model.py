@@ -1,4 +1,5 @@
-"""pfa_decoder: constrained semantic-ID beam search over the history states (seed 000's PFA).
+"""pfa_decoder: constrained semantic-ID beam search over the history states (progressively focused
+attention, from "PFA: Attention Can Be Progressively Focused in Long-Sequence Generative Recommendation").
 
 Requests that arrive together (dynamic batching) and ask for the same decode options are
 decoded in one batched beam search; histories of different lengths are padded and masked.
@@ -18,23 +19,33 @@ def _params(args) -> dict:
     return {k: v["string_value"] for k, v in cfg.get("parameters", {}).items()}
 
 
+def _use_own_package(args) -> Path:
+    """Put this version's own copy of backend_src (published with it) first on the import path,
+    so that a version runs the code it was published with; returns the version directory."""
+    vdir = Path(args["model_repository"]) / args["model_version"]
+    sys.path.insert(0, str(vdir))
+    import backend_src
+
+    if Path(backend_src.__file__).resolve().parent != (vdir / "backend_src").resolve():
+        raise RuntimeError(f"{args['model_name']} v{args['model_version']}: backend_src was imported from "
+                           f"{backend_src.__file__}, not from its version directory")
+    pb_utils.Logger.log_info(f"{args['model_name']} v{args['model_version']}: backend_src {backend_src.__version__}")
+    return vdir
+
+
 class TritonPythonModel:
     def initialize(self, args):
         params = _params(args)
-        root = params.get("code_root") or str(Path(__file__).resolve().parents[3])
-        if root not in sys.path:
-            sys.path.insert(0, root)
+        vdir = _use_own_package(args)
         import torch
 
-        from backend_src.model.hstu import HistoryCache
         from backend_src.model.recommender import GenerativeRecommender
         from backend_src.serving import protocol as P
         from backend_src.serving import validation as V
 
-        self.torch, self.P, self.V, self.HistoryCache = torch, P, V, HistoryCache
+        self.torch, self.P, self.V = torch, P, V
         torch.set_num_threads(int(params.get("torch_threads", 1)))
-        vdir = Path(args["model_repository"]) / args["model_version"]
-        self.model = GenerativeRecommender.load(vdir / "model.pt")
+        self.model = GenerativeRecommender.load(vdir / "decoder.pt")  # the decoder and the codebook only
         cfg = self.model.cfg
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         self.model.to(self.device)
@@ -48,6 +59,12 @@ class TritonPythonModel:
         )
         self.max_elements = (self.limits.max_history + 1) * cfg.d_model
         self.defaults = V.decode_defaults(params)
+        from backend_src.decoding.cuda_graphs import DecodeGraphs
+
+        # on a GPU the decode is replayed as CUDA graphs per (batch, history) bucket, the default
+        # options captured here; on a CPU it runs eagerly, unpadded
+        self.graphs = DecodeGraphs(self.model, max_history=self.limits.max_history)
+        self.graphs.warmup(self.defaults)
         self.default_top_k = int(params.get("top_k", 10))
 
     def _read(self, request):
@@ -62,19 +79,11 @@ class TritonPythonModel:
 
     def _decode(self, states_list, opts):
         """One batched beam search for requests sharing `opts`."""
-        torch, cfg = self.torch, self.model.cfg
-        B = len(states_list)
+        torch = self.torch
         lengths = torch.tensor([s.shape[0] for s in states_list], dtype=torch.long)
-        n = int(lengths.max())
         states = torch.nn.utils.rnn.pad_sequence([torch.from_numpy(s) for s in states_list], batch_first=True)  # [B, n, D]
-        L, H, dh = cfg.num_layers, cfg.num_heads, cfg.d_model // cfg.num_heads
-        # retrieval reads the states only; the K/V go to the ranker directly
-        cache = self.HistoryCache(
-            keys=torch.zeros(L, B, 0, H, dh), values=torch.zeros(L, B, 0, H, dh), states=states,
-            timestamps=torch.zeros(B, n, dtype=torch.long), lengths=lengths,
-        ).to(self.device)
         with torch.inference_mode():
-            beams = self.model.retrieve(cache, opts)
+            beams = self.graphs.retrieve(states, lengths, opts)
         return beams.item_ids.cpu().numpy(), beams.log_probs.float().cpu().numpy(), beams.codes.cpu().numpy().astype(np.int32)
 
     def execute(self, requests):
