@@ -3,12 +3,16 @@ model repository with the checkpoint published into it.
 
 (a) throughput and p50/p95/p99 latency under load: perf_analyzer drives the ``recommend``
     ensemble with sequences built from real user histories (each sequence: open with the
-    user's history, then one event per request), at several concurrencies;
-(b) what Triton adds: the same work in-process (GenerativeRecommender encode / append +
-    recommend, same history length, same options, same torch threads as a served instance)
-    next to the served latency at concurrency 1, per request kind;
-(c) one request at a long history (512, or the model's max), beam 100 = 100 candidates ranked,
-    top 10: p50/p99 over N requests through the Python gRPC client;
+    user's history, then one event per request), at several concurrencies; the highest
+    throughput whose p99 stays under 50 ms;
+(b) latency per request kind (open, append, recommend) and history length (50, 512), beam 100
+    ranked, top 10, one request at a time: the same work in-process (same torch threads as a
+    served instance), through the server, and through Triton's floor (perf/floor: the same
+    configs with no-op stages), one request of each in turn so that all three see the same
+    noise; with a per-stage breakdown from Triton's statistics (queue, compute input / infer /
+    output) of the server and of the floor;
+(c) with --baseline-ref REF: the same checkpoint published and served by the code of commit REF,
+    perf_analyzer at concurrency 8 against both servers in turn (throughput side by side);
 (d) with --locust: locust (from its own environment) replays user sessions (open, appends,
     close) for a bounded time; its CSV statistics go into the result.
 
@@ -19,6 +23,7 @@ Writes perf/results/served_<data>.json and prints Markdown tables.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import glob
 import json
@@ -209,62 +214,173 @@ def long_history(data, n: int, seed: int = 0) -> tuple:
 
 
 # --------------------------------------------------------------------------------------------
-# (b) and (c): in-process vs served, one request at a time
+# (b) latency per request kind: in-process, served and Triton's floor, side by side
 # --------------------------------------------------------------------------------------------
-def in_process_latency(model, events: tuple, options, top_k: int, reps: int, threads: int) -> dict:
-    """Latencies (ms) of the served work done in this process: open = encode the history +
-    recommend; append = append one event to the cached history + recommend; cached = recommend
-    on the cached history."""
-    import torch
+KINDS = ("open", "append", "recommend")
+STAGE_STATS = ("queue", "compute_input", "compute_infer", "compute_output")
+IN_PROCESS_PART = {P.ENSEMBLE: "total", P.ENCODER: "encoder", P.DECODER: "decoder", P.RANKER: "ranker"}
 
-    torch.set_num_threads(threads)
-    items, actions, ts = events
-    idx = torch.as_tensor(model.item_indices(items))[None]
-    act = torch.tensor([actions])
-    tim = torch.tensor([ts])
-    n = idx.shape[1]
-    out = {"open": [], "append": [], "cached": []}
-    with torch.inference_mode():
-        for r in range(reps + 1):  # the first round warms up
+
+def server_statistics(client) -> dict:
+    """model -> {"success": count, "success_ns", and per STAGE_STATS: total ns} (Triton's own counters)."""
+    out = {}
+    for m in client.get_inference_statistics(as_json=True).get("model_stats", []):
+        st = m.get("inference_stats", {})
+        row = {"success": int(st.get("success", {}).get("count", 0)), "success_ns": int(st.get("success", {}).get("ns", 0))}
+        row |= {k: int(st.get(k, {}).get("ns", 0)) for k in STAGE_STATS}
+        out[m["name"]] = row
+    return out
+
+
+def _add_delta(acc: dict, before: dict, after: dict) -> None:
+    for model, b in after.items():
+        a = before.get(model, {})
+        d = acc.setdefault(model, {})
+        for k, v in b.items():
+            d[k] = d.get(k, 0) + v - a.get(k, 0)
+
+
+def _per_request_ms(acc: dict) -> dict:
+    """model -> {"requests", "total_ms" (server side, per request), STAGE_STATS in ms per request}."""
+    out = {}
+    for model, d in acc.items():
+        n = d.get("success", 0)
+        if n > 0:
+            out[model] = {"requests": n, "total_ms": d["success_ns"] / n / 1e6} | {k: d[k] / n / 1e6 for k in STAGE_STATS}
+    return out
+
+
+class InProcess:
+    """The work of one served request, done in this process with the same torch threads: open =
+    encode the history + recommend; append = append one event to the cached history + recommend;
+    recommend = recommend on the cached history. Also times retrieval alone (the decoder's part)."""
+
+    def __init__(self, model, events: tuple, options, top_k: int, threads: int):
+        import torch
+
+        torch.set_num_threads(threads)
+        self.torch, self.model, self.options, self.top_k = torch, model, options, top_k
+        items, actions, ts = events
+        self.idx = torch.as_tensor(model.item_indices(items))[None]
+        self.act, self.tim = torch.tensor([actions]), torch.tensor([ts])
+        self.n = self.idx.shape[1]
+        with torch.inference_mode():
+            self.cache = self._encode(self.n)
+            self.base = self._encode(self.n - 1)
+
+    def _encode(self, n):
+        return self.model.encode(self.idx[:, :n], self.act[:, :n], self.tim[:, :n], self.torch.tensor([n]))
+
+    def __call__(self, kind: str) -> dict:
+        """Milliseconds of the whole request and of its parts."""
+        m, torch = self.model, self.torch
+        with torch.inference_mode():
             t0 = time.perf_counter()
-            cache = model.encode(idx, act, tim, torch.tensor([n]))
-            model.recommend(cache, options, top_k=top_k)
+            if kind == "open":
+                cache = self._encode(self.n)
+            elif kind == "append":
+                cache = m.append(self.base, self.idx[:, -1:], self.act[:, -1:], self.tim[:, -1:], torch.tensor([1]))
+            else:
+                cache = self.cache
             t1 = time.perf_counter()
-            base = model.encode(idx[:, :-1], act[:, :-1], tim[:, :-1], torch.tensor([n - 1]))
+            m.recommend(cache, self.options, top_k=self.top_k)
             t2 = time.perf_counter()
-            grown = model.append(base, idx[:, -1:], act[:, -1:], tim[:, -1:], torch.tensor([1]))
-            model.recommend(grown, options, top_k=top_k)
+            m.retrieve(cache, self.options)
             t3 = time.perf_counter()
-            model.recommend(cache, options, top_k=top_k)
-            t4 = time.perf_counter()
-            if r:
-                out["open"].append((t1 - t0) * 1e3)
-                out["append"].append((t3 - t2) * 1e3)
-                out["cached"].append((t4 - t3) * 1e3)
-    return out
+        return {"total": (t2 - t0) * 1e3, "encoder": (t1 - t0) * 1e3, "decoder": (t3 - t2) * 1e3,
+                "ranker": max(0.0, (t2 - t1) - (t3 - t2)) * 1e3}
 
 
-def served_latency(url: str, events: tuple, options: dict, reps: int) -> dict:
-    """The same three request kinds through the server at concurrency 1 (client round trips)."""
-    from clients.client import RecommenderClient
+class ServedKinds:
+    """The same three request kinds through a server, one at a time, with Triton's statistics read
+    around each timed request (so setup requests are not counted)."""
 
-    items, actions, ts = events
-    tag = uuid.uuid4().hex[:8]
-    out = {"open": [], "append": [], "cached": []}
-    with RecommenderClient(url) as c:
-        for r in range(reps + 1):
-            sid = f"perf-{tag}-{r}"
-            opened = c.open_session(sid, items, actions, ts, **options)
-            cached = c.recommend(sid, **options)
+    def __init__(self, url: str, events: tuple, options: dict, tag: str):
+        import tritonclient.grpc as grpcclient
+
+        from clients.client import RecommenderClient
+
+        self.client = RecommenderClient(url)
+        self.stats_client = grpcclient.InferenceServerClient(url)
+        self.events, self.options, self.tag, self.i = events, options, tag, 0
+        items, actions, ts = events
+        self.cached = f"{tag}-cached"
+        self.client.open_session(self.cached, items, actions, ts, **options)
+        self.stats: dict = {}
+
+    def __call__(self, kind: str) -> float:
+        items, actions, ts = self.events
+        c, o = self.client, self.options
+        self.i += 1
+        sid = f"{self.tag}-{kind}-{self.i}"
+        if kind == "append":
+            c.open_session(sid, items[:-1], actions[:-1], ts[:-1], **o)
+        before = server_statistics(self.stats_client)
+        if kind == "open":
+            rec = c.open_session(sid, items, actions, ts, **o)
+        elif kind == "append":
+            rec = c.append(sid, items[-1:], actions[-1:], ts[-1:], **o)
+        else:
+            rec = c.recommend(self.cached, **o)
+        _add_delta(self.stats.setdefault(kind, {}), before, server_statistics(self.stats_client))
+        if kind != "recommend":
             c.close_session(sid)
-            c.open_session(f"{sid}-a", items[:-1], actions[:-1], ts[:-1], **options)
-            appended = c.append(f"{sid}-a", items[-1:], actions[-1:], ts[-1:], **options)
-            c.close_session(f"{sid}-a")
-            if r:
-                out["open"].append(opened.latency_ms)
-                out["cached"].append(cached.latency_ms)
-                out["append"].append(appended.latency_ms)
-    return out
+        return rec.latency_ms
+
+    def close(self) -> None:
+        self.client.close_session(self.cached)
+        self.client.close()
+        self.stats_client.close()
+
+
+def latency_rows(model, data, url: str, floor_url: str, histories, options: dict, decode_options, top_k: int,
+                 requests: int, threads: int) -> tuple:
+    """One row per (kind, history): served, in-process and floor p50/p99, measured in turn request
+    by request (each sees the same noise), and a breakdown per stage from Triton's statistics."""
+    rows, breakdown = [], []
+    tag = uuid.uuid4().hex[:8]
+    for n in histories:
+        events = long_history(data, n)
+        local = InProcess(model, events, decode_options, top_k, threads)
+        served = ServedKinds(url, events, options, f"perf-{tag}-{n}")
+        floor = ServedKinds(floor_url, events, options, f"floor-{tag}-{n}")
+        try:
+            for kind in KINDS:
+                samples = {"served": [], "floor": [], "in_process": []}
+                parts = []
+                for r in range(requests + 3):  # three warm-up rounds
+                    s, f, lp = served(kind), floor(kind), local(kind)
+                    if r >= 3:
+                        samples["served"].append(s)
+                        samples["floor"].append(f)
+                        samples["in_process"].append(lp["total"])
+                        parts.append(lp)
+                st = {k: pct(v) for k, v in samples.items()}
+                row = {"kind": kind, "history": n, "requests": requests,
+                       "served_p50_ms": st["served"]["p50_ms"], "served_p99_ms": st["served"]["p99_ms"],
+                       "in_process_p50_ms": st["in_process"]["p50_ms"], "in_process_p99_ms": st["in_process"]["p99_ms"],
+                       "floor_p50_ms": st["floor"]["p50_ms"], "floor_p99_ms": st["floor"]["p99_ms"]}
+                row["overhead_p50_ms"] = row["served_p50_ms"] - row["in_process_p50_ms"] - row["floor_p50_ms"]
+                row["goal_met"] = bool(row["overhead_p50_ms"] <= 1.0 and row["served_p99_ms"] <= 1.5 * row["served_p50_ms"])
+                rows.append(row)
+                served_stats, floor_stats = _per_request_ms(served.stats[kind]), _per_request_ms(floor.stats[kind])
+                for stage in (P.ENSEMBLE,) + P.PYTHON_MODELS:
+                    sv, fl = served_stats.get(stage), floor_stats.get(stage)
+                    if sv is None:
+                        continue
+                    b = {"kind": kind, "history": n, "stage": stage,
+                         "in_process_ms": float(np.median([p[IN_PROCESS_PART[stage]] for p in parts]))}
+                    for k in ("total_ms",) + STAGE_STATS:
+                        b[f"served_{k}"] = sv[k]
+                        b[f"floor_{k}"] = fl[k] if fl else None
+                    breakdown.append(b)
+                log(f"  {kind:9s} history {n:4d}: served {row['served_p50_ms']:.2f} ms p50 / {row['served_p99_ms']:.2f} p99, "
+                    f"in-process {row['in_process_p50_ms']:.2f}, floor {row['floor_p50_ms']:.2f}: "
+                    f"overhead {row['overhead_p50_ms']:+.2f} ms")
+        finally:
+            served.close()
+            floor.close()
+    return rows, breakdown
 
 
 # --------------------------------------------------------------------------------------------
@@ -327,21 +443,73 @@ def parse_locust_csv(path: Path) -> list:
 # --------------------------------------------------------------------------------------------
 # main
 # --------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------
+# (c) throughput against an earlier commit of this project, in the same run
+# --------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def baseline_server(ref: str, checkpoint, workdir: Path, visit_idle_s: float):
+    """A tritonserver serving `checkpoint` published by the code of commit `ref` (its own
+    publish command and defaults, its own model code). Yields the server."""
+    from backend_src.serving.server import TritonServer, free_port
+
+    tree = workdir / "baseline"
+    tree.mkdir(parents=True)
+    archive = subprocess.run(["git", "-C", str(REPO_ROOT), "archive", ref], capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+    repo = tree / "model_repository_served"
+    env = dict(os.environ, PYTHONPATH=str(tree))
+    subprocess.run([sys.executable, "-m", "export.publish", "publish", "--checkpoint", str(Path(checkpoint).resolve()),
+                    "--repository", str(repo), "--visit-idle-s", str(visit_idle_s)], cwd=tree, env=env, check=True,
+                   capture_output=True)
+    server = TritonServer(repo, free_port(), free_port(), free_port(), log_file=workdir / "baseline_tritonserver.log",
+                          exit_timeout_s=5)
+    try:
+        server.start(timeout_s=180)
+        yield server
+    finally:
+        server.stop(grace_s=15)
+
+
+def compare_throughput(urls: dict, input_json: Path, concurrency: int, steps: int, env: dict, workdir: Path,
+                       interval_ms: int, rounds: int = 2) -> dict:
+    """perf_analyzer at one concurrency against each server in turn, `rounds` times; the median
+    throughput and p99 of each, and the ratio to the first."""
+    runs = {name: [] for name in urls}
+    for r in range(rounds):
+        for i, (name, url) in enumerate(urls.items()):
+            log(f"perf_analyzer concurrency {concurrency}, {name} (round {r + 1}) ...")
+            runs[name].append(run_perf_analyzer(url, input_json, concurrency, steps, env, workdir / f"ab_{name}_{r}.csv",
+                                                interval_ms, id_start=100_000_000 * (2 + r * len(urls) + i)))
+    out = {name: {"throughput_per_s": float(np.median([x["throughput_per_s"] for x in rs])),
+                  "p50_ms": float(np.median([x["p50_ms"] for x in rs])), "p99_ms": float(np.median([x["p99_ms"] for x in rs])),
+                  "runs": rs} for name, rs in runs.items()}
+    first = next(iter(out.values()))["throughput_per_s"]
+    for v in out.values():
+        v["throughput_ratio"] = v["throughput_per_s"] / first
+    return out
+
+
+def throughput_at_p99(rows: list, limit_ms: float = 50.0) -> float | None:
+    """The highest perf_analyzer throughput whose p99 stays under `limit_ms`."""
+    ok = [r["throughput_per_s"] for r in rows if r.get("p99_ms") is not None and r["p99_ms"] <= limit_ms]
+    return max(ok) if ok else None
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="python -m perf.served", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", default=str(DEFAULT_CHECKPOINT), help="model checkpoint (default: the demo's)")
     ap.add_argument("--data", default="synthetic", help="data set the checkpoint was trained on (real user histories)")
     ap.add_argument("--max-users", type=int, default=None, help="load only the first N users (as the checkpoint was trained)")
-    ap.add_argument("--history", type=int, default=512, help="history length of (c), capped at the model's max")
+    ap.add_argument("--histories", type=int, nargs="+", default=[50, 512], help="history lengths of (b), capped at the model's max")
     ap.add_argument("--open-history", type=int, default=50, help="events in the first request of a perf_analyzer sequence")
     ap.add_argument("--steps", type=int, default=10, help="requests per perf_analyzer sequence (1 open + appends)")
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8])
-    ap.add_argument("--beam-width", type=int, default=50, help="beams = candidates ranked in (a) and (b)")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 12, 16])
+    ap.add_argument("--beam-width", type=int, default=100, help="beams = candidates ranked")
     ap.add_argument("--mode", default="pfa")
-    ap.add_argument("--pfa-k", type=int, default=64)
+    ap.add_argument("--pfa-k", type=int, default=256)
     ap.add_argument("--top-k", type=int, default=10)
-    ap.add_argument("--requests", type=int, default=100, help="requests per kind in (b) and (c)")
+    ap.add_argument("--requests", type=int, default=100, help="requests per kind and history in (b)")
     ap.add_argument("--ranker-backend", default="auto", choices=["auto", "torch", "onnx"],
                     help="served ranker runtime (torch = the same computation as in-process)")
     ap.add_argument("--torch-threads", type=int, default=1, help="per served instance, and in-process")
@@ -349,6 +517,10 @@ def parse_args(argv=None):
     ap.add_argument("--locust-bin", default=None)
     ap.add_argument("--locust-users", type=int, default=4)
     ap.add_argument("--locust-seconds", type=int, default=30)
+    ap.add_argument("--baseline-ref", default=None,
+                    help="also serve the checkpoint with the code of this git commit and compare throughput at "
+                         "--baseline-concurrency, the two servers measured in turn")
+    ap.add_argument("--baseline-concurrency", type=int, default=8)
     ap.add_argument("--quick", action="store_true", help="short runs (concurrency 1,2,4; few requests)")
     ap.add_argument("--out", default=None)
     return ap.parse_args(argv)
@@ -360,6 +532,7 @@ def main(argv=None) -> int:
     from backend_src.data import load_dataset
     from backend_src.model.recommender import GenerativeRecommender
     from export.triton_configs import ServingOptions
+    from perf.floor import floor_server
     from perf.served_eval import local_server
 
     if not Path(a.checkpoint).exists():
@@ -374,26 +547,27 @@ def main(argv=None) -> int:
     data = load_dataset(a.data, max_users=a.max_users)
     max_len = model.cfg.max_seq_len
     open_hist = min(a.open_history, max_len - 1)
-    long_n = min(a.history, max_len)
+    histories = sorted({min(max(2, h), max_len) for h in a.histories})
     options = dict(top_k=a.top_k, exclude_seen=False, beam_width=a.beam_width, mode=a.mode, pfa_k=a.pfa_k, pfa_r=0.5,
                    selection_step=1)
-    long_options = dict(options, beam_width=100)
-    decode = lambda o: DecodeOptions(mode=o["mode"], beam_width=o["beam_width"], k=o["pfa_k"], r=o["pfa_r"], selection_step=o["selection_step"])  # noqa: E731
-    serving = ServingOptions(decode=decode(options), top_k=a.top_k, ranker_backend=a.ranker_backend, torch_threads=a.torch_threads,
+    decode = DecodeOptions(mode=a.mode, beam_width=a.beam_width, k=a.pfa_k, r=0.5, selection_step=1)
+    serving = ServingOptions(decode=decode, top_k=a.top_k, ranker_backend=a.ranker_backend, torch_threads=a.torch_threads,
                              visit_idle_s=120)
     result: dict = {"checkpoint": str(a.checkpoint), "data": data.name, "model": {"max_seq_len": max_len, "d_model": model.cfg.d_model,
                     "layers": model.cfg.num_layers, "items": model.cfg.num_items}, "options": options,
-                    "serving": {"ranker_backend": a.ranker_backend, "torch_threads": a.torch_threads, "instances_per_model": 1}}
+                    "serving": {"ranker_backend": a.ranker_backend, "torch_threads": a.torch_threads, "instances_per_model": 1,
+                                "max_queue_delay_us": serving.max_queue_delay_us}}
     rows = []
     work = Path(tempfile.mkdtemp(prefix="genrec-perf-", dir=REPO_ROOT / "runs" if (REPO_ROOT / "runs").is_dir() else None))
     try:
         streams = session_streams(data, 64, open_hist, a.steps - 1)
         if not streams:
             raise SystemExit(f"no user of {data.name} has {a.steps + 1} events: lower --steps")
-        log(f"starting tritonserver ({a.checkpoint}) ...")
+        log(f"starting tritonserver ({a.checkpoint}) and the floor (no-op stages) ...")
         t0 = time.monotonic()
-        with local_server(a.checkpoint, serving, export_ranker=a.ranker_backend != "torch") as server:
-            log(f"server ready in {time.monotonic() - t0:.1f} s at {server.grpc_url}")
+        with local_server(a.checkpoint, serving, export_ranker=a.ranker_backend != "torch") as server, \
+                floor_server(model.cfg, serving) as floor:
+            log(f"servers ready in {time.monotonic() - t0:.1f} s at {server.grpc_url} and {floor.grpc_url}")
             url = server.grpc_url
 
             # (a) perf_analyzer over sequences of real sessions
@@ -420,37 +594,30 @@ def main(argv=None) -> int:
                                  ("concurrency", "throughput_per_s", "p50_ms", "p95_ms", "p99_ms")}})
                 result["perf_analyzer"] = {"rows": pa_rows, "sequence": {"steps": a.steps, "open_events": f"<= {open_hist}",
                                            "append_events": 1, "sessions": len(streams)}, "interval_ms": interval_ms}
+                result["throughput_at_p99_50ms"] = throughput_at_p99([r for r in pa_rows if "error" not in r])
 
-            # (b) Triton overhead: the same work in-process vs served at concurrency 1
-            events = long_history(data, open_hist)
-            log(f"in-process vs served, history {open_hist}, {a.requests} requests per kind ...")
-            local = in_process_latency(model, events, decode(options), a.top_k, a.requests, a.torch_threads)
-            served = served_latency(url, events, options, a.requests)
-            overhead = []
-            for kind, what in (("open", f"open: encode {open_hist} events + retrieve + rank"),
-                               ("append", f"append 1 event to {open_hist - 1} cached + retrieve + rank"),
-                               ("cached", f"recommend on {open_hist} cached events")):
-                lp, sp = pct(local[kind]), pct(served[kind])
-                overhead.append({"kind": kind, "what": what, "in_process_p50_ms": lp["p50_ms"], "served_p50_ms": sp["p50_ms"],
-                                 "overhead_p50_ms": sp["p50_ms"] - lp["p50_ms"], "in_process": lp, "served": sp})
-                rows.append({"part": "b", "what": what, "concurrency": 1, "p50_ms": sp["p50_ms"], "p95_ms": sp["p95_ms"],
-                             "p99_ms": sp["p99_ms"], "in_process_p50_ms": lp["p50_ms"], "overhead_p50_ms": sp["p50_ms"] - lp["p50_ms"]})
-            result["overhead"] = {"history": open_hist, "requests": a.requests, "rows": overhead}
+            # (b) every request kind in-process, served and on the floor, one request of each in turn
+            log(f"latency per request kind, histories {histories}, {a.requests} requests each ...")
+            latency, breakdown = latency_rows(model, data, url, floor.grpc_url, histories, options, decode, a.top_k,
+                                              a.requests, a.torch_threads)
+            result["latency_rows"] = latency
+            result["breakdown"] = breakdown
+            for r in latency:
+                rows.append({"part": "b", "what": f"{r['kind']}, history {r['history']}", "concurrency": 1,
+                             "p50_ms": r["served_p50_ms"], "p99_ms": r["served_p99_ms"], "in_process_p50_ms": r["in_process_p50_ms"],
+                             "floor_p50_ms": r["floor_p50_ms"], "overhead_p50_ms": r["overhead_p50_ms"]})
 
-            # (c) one request at a long history, beam 100, top 10
-            events = long_history(data, long_n)
-            log(f"history {long_n}, beam 100, top {a.top_k}: {a.requests} requests ...")
-            served = served_latency(url, events, long_options, a.requests)
-            local = in_process_latency(model, events, decode(long_options), a.top_k, max(3, a.requests // 4), a.torch_threads)
-            long_rows = []
-            for kind, what in (("open", f"open: encode {long_n} events + beam 100 + rank 100"),
-                               ("cached", f"recommend on {long_n} cached events, beam 100 + rank 100"),
-                               ("append", f"append 1 event to {long_n - 1} cached, beam 100 + rank 100")):
-                sp, lp = pct(served[kind]), pct(local[kind])
-                long_rows.append({"kind": kind, "what": what, "served": sp, "in_process": lp})
-                rows.append({"part": "c", "what": what, "concurrency": 1, "p50_ms": sp["p50_ms"], "p95_ms": sp["p95_ms"],
-                             "p99_ms": sp["p99_ms"], "in_process_p50_ms": lp["p50_ms"], "overhead_p50_ms": sp["p50_ms"] - lp["p50_ms"]})
-            result["long_history"] = {"history": long_n, "beam_width": 100, "top_k": a.top_k, "requests": a.requests, "rows": long_rows}
+            # (c) the same sessions against an earlier commit's code, in turn
+            if a.baseline_ref and ok:
+                log(f"publishing with the code of {a.baseline_ref} ...")
+                with baseline_server(a.baseline_ref, a.checkpoint, work, serving.visit_idle_s) as base:
+                    ab = compare_throughput({a.baseline_ref: base.grpc_url, "this": url}, input_json, a.baseline_concurrency,
+                                            a.steps, env, work, interval_ms)
+                result["baseline"] = {"ref": a.baseline_ref, "concurrency": a.baseline_concurrency, "servers": ab}
+                for name, v in ab.items():
+                    rows.append({"part": "c", "what": f"perf_analyzer sequences, {name}", "concurrency": a.baseline_concurrency,
+                                 "throughput_per_s": v["throughput_per_s"], "p50_ms": v["p50_ms"], "p99_ms": v["p99_ms"],
+                                 "throughput_ratio": v["throughput_ratio"]})
 
             # (d) locust
             if a.locust:
@@ -479,9 +646,11 @@ def main(argv=None) -> int:
 
     out = Path(a.out or RESULTS_DIR / f"served_{Path(a.data.split(':')[0]).name}{'_quick' if a.quick else ''}.json")
     write_result(out, rows, quick=a.quick, **result)
-    cols = ["part", "what", "concurrency", "throughput_per_s", "p50_ms", "p95_ms", "p99_ms", "in_process_p50_ms", "overhead_p50_ms"]
-    print(markdown_table(rows, cols, floatfmt=".1f"))
-    print(f"\nresult: {out}")
+    cols = ["part", "what", "concurrency", "throughput_per_s", "throughput_ratio", "p50_ms", "p99_ms", "in_process_p50_ms",
+            "floor_p50_ms", "overhead_p50_ms"]
+    print(markdown_table(rows, cols, floatfmt=".2f"))
+    print(f"\nthroughput at p99 <= 50 ms: {result.get('throughput_at_p99_50ms')} requests/s")
+    print(f"result: {out}")
     return 0
 
 

@@ -147,8 +147,23 @@ def test_from_version_dir(onnx_path, ranker, tmp_path):
     with pytest.raises(ValueError):
         RankerRuntime.from_version_dir(tmp_path, None)
     rt = RankerRuntime.from_version_dir(onnx_path.parent, ranker)
-    expected = "tensorrt" if (onnx_path.parent / "ranker.plan").exists() else "onnxruntime"
+    # with both ONNX Runtime and torch at hand, each history length goes to the faster of them
+    expected = "tensorrt" if (onnx_path.parent / "ranker.plan").exists() else "routed"
     assert rt.backend == expected
+    assert RankerRuntime.from_version_dir(onnx_path.parent, ranker, backend="onnxruntime").backend == "onnxruntime"
+
+
+def test_routed_runtime_scores_as_torch_at_every_length(onnx_path, ranker):
+    rt = RankerRuntime.fastest_by_history(
+        [RankerRuntime.onnxruntime(onnx_path), RankerRuntime.torch(ranker)], ranker.cfg, max_history=40, candidates=4, reps=1
+    )
+    assert rt.backend == "routed" and rt.provider.count("n<=") == 3  # 16, 32, 40
+    for lengths in ([3], [20, 7], [40]):
+        cache = make_cache(ranker, lengths)
+        cands = make_candidates(ranker, len(lengths), 5)
+        with torch.no_grad():
+            ref = ranker.score(cache, cands).numpy()
+        assert_scores_match(rt.score_cache(cache, cands, 2).numpy(), ref)
 
 
 def test_cli_exports_checkpoint(tmp_path):
@@ -160,7 +175,7 @@ def test_cli_exports_checkpoint(tmp_path):
     model = recommender.GenerativeRecommender(cfg, SemanticIdCodebook(), [None] + [str(i) for i in range(cfg.num_items)]).eval()
     model.save(tmp_path / "model.pt")
     main(["--checkpoint", str(tmp_path / "model.pt"), "--out", str(tmp_path / "ranker.onnx")])
-    rt = RankerRuntime.from_version_dir(tmp_path, model)
+    rt = RankerRuntime.from_version_dir(tmp_path, model, backend="onnxruntime")
     assert rt.backend == "onnxruntime"
     cache = make_cache(model.ranker, [6, 2])
     cands = make_candidates(model.ranker, 2, 5)

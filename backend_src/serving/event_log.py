@@ -62,6 +62,8 @@ from pathlib import Path
 from typing import Callable, Optional
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
+import numpy as np
+
 DURABILITY = ("full", "normal")
 DEFAULT_RETAIN_EVENTS = 4096
 DEFAULT_REDIS_PREFIX = "eventlog:"
@@ -136,12 +138,22 @@ def _check_events(items, actions, timestamps, retain: int):
         )
     total = len(items)
     start = max(0, total - retain)
+    items = items[start:]
     return (
         total,
-        [_as_item(x) for x in items[start:]],
-        [_as_int64(x, "an action") for x in actions[start:]],
-        [_as_int64(x, "a timestamp") for x in timestamps[start:]],
+        list(items) if all(type(x) is str for x in items) else [_as_item(x) for x in items],
+        _as_int64_list(actions[start:], "an action"),
+        _as_int64_list(timestamps[start:], "a timestamp"),
     )
+
+
+def _as_int64_list(values, what: str) -> list:
+    """Integers as a list of Python ints; a numpy integer array (what the server hands over) is
+    converted at once, anything else is checked value by value."""
+    arr = values if isinstance(values, np.ndarray) else None
+    if arr is not None and arr.ndim == 1 and arr.dtype.kind == "i":  # signed, at most 64 bits: fits
+        return arr.astype(np.int64, copy=False).tolist()
+    return [_as_int64(x, what) for x in values]
 
 
 class EventLog(abc.ABC):

@@ -36,9 +36,10 @@ INPUT_AXES = {
     "candidates": ("B", "m"),
 }
 OUTPUT_AXES = ("B", "m")
-BACKENDS = ("torch", "onnxruntime", "tensorrt")
+BACKENDS = ("torch", "onnxruntime", "tensorrt", "routed")
 ONNX_FILE = "ranker.onnx"
 PLAN_FILE = "ranker.plan"
+TORCH_FILE = "ranker.pt"  # the ranker stage's artifact (GenerativeRecommender.save_stage)
 
 
 def as_ranker(model_or_ranker: nn.Module) -> MFalconRanker:
@@ -133,8 +134,13 @@ class RankerRuntime:
         import onnxruntime as ort
 
         opts = ort.SessionOptions()
-        if num_threads:
-            opts.intra_op_num_threads = int(num_threads)
+        # one thread that sleeps when idle: ONNX Runtime's pool otherwise takes every core and
+        # its threads spin between runs, taking the cores the other stages of a request need
+        opts.intra_op_num_threads = int(num_threads or 1)
+        opts.inter_op_num_threads = 1
+        opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        opts.add_session_config_entry("session.inter_op.allow_spinning", "0")
         sess = ort.InferenceSession(str(onnx_path), opts, providers=["CPUExecutionProvider"])
         names = tuple(i.name for i in sess.get_inputs())
         if set(names) != set(INPUT_NAMES):
@@ -153,12 +159,53 @@ class RankerRuntime:
         return cls("tensorrt", _TensorRTRunner(plan_path, device), "TensorRT", device)
 
     @classmethod
+    def fastest_by_history(cls, runtimes: list, cfg, max_history: int, candidates: int = 64,
+                           reps: int = 5) -> "RankerRuntime":
+        """One runtime that sends each call to the fastest of `runtimes` for its history length,
+        timed here once (one user, `candidates` candidates, history lengths 16, 32, ... up to
+        max_history): on a CPU ONNX Runtime wins on short histories and torch on long ones."""
+        import time
+
+        buckets = []
+        n = 16
+        while True:
+            buckets.append(min(n, max_history))
+            if n >= max_history:
+                break
+            n *= 2
+        table = []
+        for n in buckets:
+            inputs = example_inputs(cfg, B=1, n=n, m=candidates)
+            best = None
+            for rt in runtimes:
+                rt._run(*inputs)  # warm up
+                times = []
+                for _ in range(reps):
+                    t0 = time.perf_counter()
+                    rt._run(*inputs)
+                    times.append(time.perf_counter() - t0)
+                t = sorted(times)[len(times) // 2]
+                if best is None or t < best[0]:
+                    best = (t, rt)
+            table.append((n, best[1]))
+        bounds = torch.tensor([n for n, _ in table])
+
+        def run(keys, values, ts, lengths, cands):
+            i = min(int(torch.searchsorted(bounds, ts.shape[1])), len(table) - 1)
+            return table[i][1]._run(keys, values, ts, lengths, cands)
+
+        chosen = ", ".join(f"n<={n}: {rt.backend}" for n, rt in table)
+        return cls("routed", run, chosen, runtimes[0].device)
+
+    @classmethod
     def from_version_dir(cls, path, model: nn.Module | None = None, backend: str = "auto") -> "RankerRuntime":
         """The fastest backend a model version supports here: tensorrt (ranker.plan, a CUDA
-        GPU and an importable tensorrt) > onnxruntime (ranker.onnx) > torch (``model``)."""
+        GPU and an importable tensorrt) > onnxruntime (ranker.onnx) > torch (``model``, else
+        the version's ranker.pt)."""
         vdir = Path(path)
         plan, onnx_file = vdir / PLAN_FILE, vdir / ONNX_FILE
-        if backend == "auto":
+        auto = backend == "auto"
+        if auto:
             if plan.exists() and torch.cuda.is_available() and _importable("tensorrt"):
                 backend = "tensorrt"
             elif onnx_file.exists() and _importable("onnxruntime"):
@@ -167,8 +214,16 @@ class RankerRuntime:
                 backend = "torch"
         if backend == "tensorrt":
             return cls.tensorrt(plan)
+        if backend in ("torch", "onnxruntime") and model is None and (vdir / TORCH_FILE).exists():
+            from backend_src.model.recommender import GenerativeRecommender
+
+            model = GenerativeRecommender.load(vdir / TORCH_FILE)
         if backend == "onnxruntime":
-            return cls.onnxruntime(onnx_file)
+            onnx = cls.onnxruntime(onnx_file)
+            if not auto or model is None:
+                return onnx
+            # neither is faster at every history length on a CPU: route by length
+            return cls.fastest_by_history([onnx, cls.torch(model)], model.cfg, model.cfg.max_seq_len)
         if backend == "torch":
             if model is None:
                 raise ValueError(f"{vdir}: no {PLAN_FILE}/{ONNX_FILE} usable here and no torch model given")

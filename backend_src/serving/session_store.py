@@ -135,7 +135,8 @@ class SessionStore:
         now = self._clock()
         evicted = []
         with self._lock:
-            for key, s in list(self._sessions.items()):  # LRU order: stop at the first fresh one
+            while self._sessions:  # LRU order: stop at the first fresh one (no walk over the others)
+                key, s = next(iter(self._sessions.items()))
                 if now - s.last_access <= self.idle_timeout_s:
                     break
                 self._remove(key)
