@@ -7,7 +7,7 @@ the test target (last event), once with already-seen items allowed and once with
 best epoch) and keeps the last, the final fit that `export.train --refit` makes of our model.
 
     python -m export.baselines --data amazon-beauty --model sasrec --minutes 15 \
-        --out perf/results/baseline_sasrec_beauty.json
+        --out perf/results/baseline_sasrec_beauty_28min.json
 """
 from __future__ import annotations
 

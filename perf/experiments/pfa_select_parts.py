@@ -6,29 +6,42 @@ project K of every row; per head the logits of every beam over every row (a batc
 softmax and the probability-weighted pooling; one top-k; the kept rows' states gathered and their K
 and V projected; attention over the kept rows (the step's own weights renormalized over them).
 Randomly initialized decoder of perf.bench_decode's setting (d 64, beam 100, 2 heads of 32, keep
-256); medians of 21 rounds, all variants side by side per round. Run alone on the machine, with
-OpenMP's default wait policy and the glibc settings of `make bench-offline`:
+256); medians of 21 rounds, all variants side by side per round. Run from the repository root, alone
+on the machine, with OpenMP's default wait policy and the glibc settings of `make bench-offline`:
 
-    python perf/results/pfa_select_parts.py > perf/results/pfa_select_parts.txt
+    python -m perf.experiments.pfa_select_parts          # writes perf/results/pfa_select_parts.txt
+    python -m perf.experiments.pfa_select_parts --quick --out -   # 3 rounds, 2 threads only
 """
-import sys
+import argparse
 import time
+from pathlib import Path
 
 import torch
 
-sys.path.insert(0, ".")
-from backend_src.ops import reference as R  # noqa: E402
-from perf.bench_decode import build  # noqa: E402
+from backend_src.ops import reference as R
+from perf.bench_decode import build
+from perf.common import RESULTS_DIR
 
 W, H, D, KEEP, STEP = 100, 2, 32, 256, 1
 
 
 @torch.no_grad()
 def main():
-    print(f"torch {torch.__version__}, beam {W}, {H} heads x {D}, keep {KEEP}; ms, median of 21")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="3 rounds at 2 threads (a check that it runs)")
+    ap.add_argument("--out", default=str(RESULTS_DIR / "pfa_select_parts.txt"), help="text file ('-': stdout only)")
+    args = ap.parse_args()
+    rounds, thread_counts = (3, (2,)) if args.quick else (21, (1, 2))
+    lines = []
+
+    def say(text):
+        lines.append(text)
+        print(text, flush=True)
+
+    say(f"torch {torch.__version__}, beam {W}, {H} heads x {D}, keep {KEEP}; ms, median of {rounds}")
     _, decoders = build(16384, H * D, H, 2048, 0)
     dec = decoders[False]
-    for threads in (1, 2):
+    for threads in thread_counts:
         torch.set_num_threads(threads)
         for B, N in ((32, 512), (8, 2048)):
             g = torch.Generator().manual_seed(0)
@@ -66,14 +79,16 @@ def main():
                 "  attention over the kept rows": lambda: R.decode_attention(q, kk, vk, kept_len),
             }
             times = {name: [] for name in calls}
-            for _ in range(21):
+            for _ in range(rounds):
                 for name, fn in calls.items():
                     t = time.perf_counter()
                     fn()
                     times[name].append(time.perf_counter() - t)
-            print(f"\n{threads} thread(s), {B} users x history {N}")
+            say(f"\n{threads} thread(s), {B} users x history {N}")
             for name, ts in times.items():
-                print(f"  {name:45s} {sorted(ts)[10] * 1e3:7.2f}")
+                say(f"  {name:45s} {sorted(ts)[rounds // 2] * 1e3:7.2f}")
+    if args.out != "-":
+        Path(args.out).write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

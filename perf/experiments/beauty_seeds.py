@@ -1,12 +1,18 @@
 """Amazon Beauty final fits over three seeds: our model (beam order and served order) against SASRec fit the
-same way, TIGER's published numbers and the HSTU public code's, from the result files beside this script.
-Run from the repository root:
-    python perf/results/beauty_seeds.py > perf/results/beauty_seeds.md
+same way, TIGER's published numbers and the HSTU public code's, from the result files in perf/results
+(`make train-beauty-refit` and `make baselines-beauty`, seeds 1 and 2 with `--seed`). Run from the
+repository root:
+    python -m perf.experiments.beauty_seeds       # writes perf/results/beauty_seeds.md
 """
+import argparse
+import contextlib
+import io
 import json
+import sys
 from pathlib import Path
 
-HERE = Path(__file__).parent
+from perf.common import RESULTS_DIR
+
 METRICS = ("recall@5", "ndcg@5", "recall@10", "ndcg@10")
 SEEDS = ("", "_seed1", "_seed2")
 RUNS = {  # row label -> (result file stem, model name in the file)
@@ -23,7 +29,7 @@ ANCHORS = {  # reference numbers not measured by this project: seen items not ex
 def values(stem: str, model: str, excluded: bool) -> list[tuple]:
     out = []
     for seed in SEEDS:
-        rows = json.loads((HERE / f"{stem}{seed}.json").read_text())["rows"]
+        rows = json.loads((RESULTS_DIR / f"{stem}{seed}.json").read_text())["rows"]
         (row,) = [r for r in rows if r["model"] == model and r["seen_excluded"] == excluded]
         out.append(tuple(row[m] for m in METRICS))
     return out
@@ -58,4 +64,12 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=str(RESULTS_DIR / "beauty_seeds.md"), help="Markdown file ('-': stdout)")
+    out = ap.parse_args().out
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        main()
+    sys.stdout.write(text.getvalue())
+    if out != "-":
+        Path(out).write_text(text.getvalue())
