@@ -57,14 +57,14 @@ ATTENTION_MODES = ("full", "pfa", "pfa_per_beam", "dynamic_topk")
 
 @dataclass
 class DecodeOptions:
-    """How the beam search attends over history (seed 000's ablation axes), switchable per call."""
+    """How the beam search attends over history (the PFA paper's ablation axes), switchable per call."""
 
     mode: str = "pfa"  # one of ATTENTION_MODES
     beam_width: int = 100
     k: int = 256  # rows kept at the selection step
     r: float = 0.5  # budget ratio: k_t = max(1, ceil(k * r ** (t - selection_step)))
     selection_step: int = 1  # 0..num_codes-1
-    collect_attention: bool = False  # record per-step attention for the statistics of seed 000
+    collect_attention: bool = False  # record per-step attention for the PFA paper's attention statistics
 
     def __post_init__(self):
         if self.mode not in ATTENTION_MODES:
@@ -91,7 +91,7 @@ class TrainConfig:
     batch_size: int = 128
     lr: float = 1e-3
     weight_decay: float = 0.0
-    stochastic_length_alpha: float = 2.0  # 2.0 = off; seed 001 uses about 1.6 for long histories
+    stochastic_length_alpha: float = 2.0  # 2.0 = off; the HSTU paper uses about 1.6 for long histories
     ranker_weight: float = 1.0
     # the auxiliary dense loss (last state . item embeddings): its weight (0 = off) and the shared
     # uniform negatives of its sampled softmax (0 = a softmax over the whole catalog)

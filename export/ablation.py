@@ -100,7 +100,7 @@ def chosen_beam(chosen: dict) -> int:
     return next(iter(chosen.values()))[1].beam_width
 
 
-PAPER_STATS = {  # seed 000, industrial data
+PAPER_STATS = {  # the PFA paper's, industrial data
     "top10_share_step1": 0.9298, "kept_top25_share_step2": 0.9703, "kept_top25_share_step3": 0.9862,
     "spearman_step1_vs_step2": 0.746, "spearman_step1_vs_step3": 0.713,
 }
@@ -135,7 +135,7 @@ def main(argv=None):
     md = markdown_table([r for r in rows if not r["seen_excluded"]], cols)
     if att:
         plot_attention_stats(att, out.with_suffix(".attention.png"))
-        md += "\n\nattention statistics (ours vs seed 000):\n\n" + markdown_table(
+        md += "\n\nattention statistics (ours vs the PFA paper):\n\n" + markdown_table(
             [{"statistic": k, "ours": att.get(k), "paper": v} for k, v in PAPER_STATS.items()], ["statistic", "ours", "paper"])
     out.with_suffix(".md").write_text(md + "\n")
     print(md)

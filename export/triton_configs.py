@@ -45,7 +45,7 @@ class ServingOptions:
     # any delay is added to every request at every stage (perf/results/served_ml1m.json)
     max_queue_delay_us: int = 0
     # request defaults and limits
-    decode: DecodeOptions = field(default_factory=DecodeOptions)  # seed 000: pfa, beam 100, k 256, r 0.5, s 1
+    decode: DecodeOptions = field(default_factory=DecodeOptions)  # the PFA paper's: pfa, beam 100, k 256, r 0.5, s 1
     top_k: int = 10
     max_top_k: int = 256
     max_beam_width: int = 1024

@@ -1,4 +1,4 @@
-"""Decode latency of the semantic-ID beam search per attention mode (seed 000's ablations).
+"""Decode latency of the semantic-ID beam search per attention mode (the PFA paper's ablations).
 
 A batch of users with full histories of 128 / 512 / 2048 rows decodes 4-code semantic IDs
 (codebook sizes about (256, 256, 256, 8), over a synthetic catalogue whose random unique codes

@@ -1,6 +1,6 @@
 """Ranking throughput: M-FALCON over a cached history vs one full forward pass per candidate.
 
-Naive baseline (seed 001's O(m n^2)): every candidate is scored by encoding the history plus
+Naive baseline (the HSTU paper's O(m n^2)): every candidate is scored by encoding the history plus
 that one candidate token as a full causal HSTUEncoder.forward; the forwards are batched across
 candidates (B = candidates, in chunks of --naive-batch) so the baseline is not a Python loop.
 M-FALCON (O(n^2 + m n)): the history is encoded once into a HistoryCache and

@@ -3,7 +3,7 @@
 For every configuration it first checks the kernels against the reference, then times both
 (median over repetitions, L2 flushed before each, CUDA events) and reports achieved memory
 bandwidth / FLOP rate against the device peak. It also times a whole 4-step semantic-ID decode
-(attention only) in the three modes of seed 000 -- full attention, PFA (select once at step 1,
+(attention only) in the three modes of the PFA paper -- full attention, PFA (select once at step 1,
 contiguous prefixes after) and dynamic top-k (every beam reselects every step) -- with both
 backends, and writes JSON + Markdown to --out.
 
@@ -168,7 +168,7 @@ def max_err(a, b) -> float:
 
 
 # --------------------------------------------------------------------------------------------
-# decode-time ops (seed 000)
+# decode-time ops (PFA paper)
 # --------------------------------------------------------------------------------------------
 def budgets(args, n: int) -> list[int]:
     """Rows read per step in PFA / dynamic top-k: k at step 1, k r^(t-1) after (capped at N)."""
@@ -188,7 +188,7 @@ def bench_decode(torch, R, K, timer, args, cfg, dtype, dev, info) -> dict:
         lengths = torch.randint(N // 2, N + 1, (B,), generator=g, device=dev)
     else:
         lengths = torch.full((B,), N, dtype=torch.long, device=dev)
-    # one query and one K/V projection of the history per decode step (per-step K/V of seed 000)
+    # one query and one K/V projection of the history per decode step (the PFA paper's per-step K/V)
     qs = [rnd(B, W, H, d) for _ in range(NUM_CODES)]
     ks = [rnd(B, N, H, d) for _ in range(NUM_CODES)]
     vs = [rnd(B, N, H, d) for _ in range(NUM_CODES)]
@@ -301,7 +301,7 @@ def bench_decode(torch, R, K, timer, args, cfg, dtype, dev, info) -> dict:
 
 
 # --------------------------------------------------------------------------------------------
-# HSTU attention (seed 001)
+# HSTU attention (HSTU paper)
 # --------------------------------------------------------------------------------------------
 def bench_hstu(torch, R, K, timer, args, cfg, dtype, dev, info, baseline=None) -> dict:
     B, H, d, N, M = cfg

@@ -91,7 +91,7 @@ def decode_section(blob: dict, out_dir: Path) -> list[str]:
     if paper:
         ours = paper.get("our_count_at_paper_setting", {})
         lines += [
-            "Paper (seed 000, history 512, L20 GPU, 512 users a batch): PFA "
+            "PFA paper (history 512, L20 GPU, 512 users a batch): PFA "
             f"{paper.get('measured_speedup_pfa_vs_full')}x faster than full attention measured, "
             f"{paper.get('theoretical_mac_ratio_pfa_vs_full')}x fewer attention MACs in theory, "
             f"{paper.get('theoretical_mac_ratio_dynamic_vs_pfa')}x fewer than dynamic top-k. The same counting "

@@ -2,7 +2,7 @@
 
 Modes (DecodeOptions.mode), s = selection step, each an attention policy (attention_policies.py):
   full          FullAttention: every beam attends over the whole history at every step
-  pfa           ProgressiveFocus (seed 000): steps < s full; at step s the beams' head-averaged
+  pfa           ProgressiveFocus (the PFA paper): steps < s full; at step s the beams' head-averaged
                 weights, each beam weighted by its normalized generation probability, rank the
                 history once for all beams; the top k rows are gathered once into contiguous memory
                 (their K/V projected for step s and every later step), and step t >= s attends over

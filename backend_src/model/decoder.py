@@ -1,4 +1,5 @@
-"""Semantic-ID decoder (seed 000): beams query the user's history with softmax cross-attention.
+"""Semantic-ID decoder (PFA: Attention Can Be Progressively Focused in Long-Sequence Generative
+Recommendation): beams query the user's history with softmax cross-attention.
 
 Every decoding step t = 0..3 has its own K/V projection of the history states (one shared
 pair when cfg.shared_kv_projection), computed once before decoding. The query of a beam at step

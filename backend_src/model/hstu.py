@@ -1,4 +1,5 @@
-"""HSTU backbone (seed 001, section 3) with a per-layer K/V cache and incremental append.
+"""HSTU backbone (Actions Speak Louder than Words: Trillion-Parameter Sequential Transducers for
+Generative Recommendations, section 3) with a per-layer K/V cache and incremental append.
 
 One HSTU layer:
     U, V, Q, K = split(silu(f1(LayerNorm(x))))
@@ -274,7 +275,7 @@ class HSTULayer(nn.Module):
         self.time_bias = nn.Parameter(torch.empty(H, cfg.num_time_buckets).normal_(0.0, 0.02))
         self.time_base = cfg.time_bucket_base
         self.scale = 1.0 / math.sqrt(self.dqk)
-        self.attn_divisor = float(cfg.max_seq_len)  # the fixed N of seed 001
+        self.attn_divisor = float(cfg.max_seq_len)  # the fixed N of the HSTU paper
 
     def project(self, x: torch.Tensor):
         """x [B, M, D] -> U [B, M, H*dv], Q [B, M, H, dqk], K [B, M, H, dqk], V [B, M, H, dv]."""

@@ -1,4 +1,5 @@
-"""M-FALCON target-aware ranking head (seed 001, section 5).
+"""M-FALCON target-aware ranking head (Actions Speak Louder than Words: Trillion-Parameter
+Sequential Transducers for Generative Recommendations, section 5).
 
 Each candidate c becomes one token x_c = E_item[c] + E_action[RANK_ACTION] placed right after
 the user's history (position = history length, time = last history timestamp) and runs through

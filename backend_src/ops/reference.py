@@ -71,7 +71,7 @@ def time_bucket_int_thresholds(num_buckets: int, base: float) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------------------------
-# HSTU pointwise attention (seed 001) with relative position + time bias and the M-FALCON mask
+# HSTU pointwise attention (the HSTU paper) with relative position + time bias and the M-FALCON mask
 # --------------------------------------------------------------------------------------------
 def hstu_attention(
     q: torch.Tensor,  # [B, M, H, d]   queries (history tokens and/or candidate tokens)
@@ -87,7 +87,7 @@ def hstu_attention(
     time_bias: torch.Tensor,  # [H, T] time bias, indexed by time_bucket(q_ts - k_ts)
     time_base: float,
     scale: float,
-    norm: float,  # the fixed divisor N of seed 001 (max sequence length), keeps incremental == full
+    norm: float,  # the fixed divisor N of the HSTU paper (max sequence length), keeps incremental == full
     shared: dict | None = None,
 ) -> torch.Tensor:
     """out[b,i,h] = sum_j allowed(i,j) * silu(scale * q.k + rab_pos + rab_time) / norm * v[b,j,h].
@@ -124,7 +124,7 @@ def hstu_attention(
 
 
 # --------------------------------------------------------------------------------------------
-# Decode-time attention of beams over a user's history K/V (seed 000)
+# Decode-time attention of beams over a user's history K/V (the PFA paper)
 # --------------------------------------------------------------------------------------------
 def attention_probs(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """Softmax attention weights of every beam over the first lengths[b] rows.

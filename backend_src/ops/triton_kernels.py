@@ -6,7 +6,7 @@ Torch glue is limited to allocation and the top-k over a score matrix (``torch.t
 Calls needing gradients (the kernels are forward-only), other dtypes (float64) and empty inputs
 are handed to the reference.
 
-Decode attention (seed 000) is one program per (user, head, block of beams): the beams of a user
+Decode attention (the PFA paper's) is one program per (user, head, block of beams): the beams of a user
 share one K/V block, so each key tile is loaded once and multiplied against all beams of the block
 with ``tl.dot``; an online softmax runs over key tiles up to ``lengths[b]`` (the PFA prefix budget),
 so a shorter budget reads fewer rows. The selections score the history with the same tiles: PFA
@@ -474,7 +474,7 @@ def gather_rows(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------------------------
-# HSTU pointwise attention (seed 001) with in-kernel relative bias and the M-FALCON mask
+# HSTU pointwise attention (the HSTU paper) with in-kernel relative bias and the M-FALCON mask
 # --------------------------------------------------------------------------------------------
 _THRESHOLDS: dict = {}
 

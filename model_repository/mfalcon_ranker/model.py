@@ -9,6 +9,7 @@ ONNX Runtime or torch, whichever was faster for the history's length when the ve
 retrieval log-probabilities and semantic IDs; with EXCLUDE_SEEN, candidates already in the
 session's history are left out and the fused order takes the checkpoint's weight for that policy.
 """
+import gc
 import json
 import sys
 from pathlib import Path
@@ -85,6 +86,7 @@ class TritonPythonModel:
         backend = RUNTIME_BACKENDS[params.get("ranker_backend", "auto")]
         self.runtime = RankerRuntime.from_version_dir(vdir, self.model, backend=backend)
         pb_utils.Logger.log_info(f"mfalcon_ranker v{args['model_version']}: ranking with {self.runtime}")
+        gc.freeze()  # what loading made is never garbage: later collections skip it
 
     def _read(self, request) -> "_Ranking":
         P, V = self.P, self.V

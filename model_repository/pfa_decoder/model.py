@@ -6,6 +6,7 @@ decoded in one batched beam search; histories of different lengths are padded an
 Decode options come from the request (BEAM_WIDTH, DECODE_MODE, PFA_K, PFA_R, SELECTION_STEP)
 or the defaults in this model's config.
 """
+import gc
 import json
 import sys
 from pathlib import Path
@@ -66,6 +67,7 @@ class TritonPythonModel:
         self.graphs = DecodeGraphs(self.model, max_history=self.limits.max_history)
         self.graphs.warmup(self.defaults)
         self.default_top_k = int(params.get("top_k", 10))
+        gc.freeze()  # what loading made is never garbage: later collections skip it
 
     def _read(self, request):
         P, V = self.P, self.V
