@@ -450,7 +450,7 @@ def parse_locust_csv(path: Path) -> list:
 def baseline_server(ref: str, checkpoint, workdir: Path, visit_idle_s: float):
     """A tritonserver serving `checkpoint` published by the code of commit `ref` (its own
     publish command and defaults, its own model code). Yields the server."""
-    from backend_src.serving.server import TritonServer, free_port
+    from perf.served_eval import serve_repository
 
     tree = workdir / "baseline"
     tree.mkdir(parents=True)
@@ -461,13 +461,8 @@ def baseline_server(ref: str, checkpoint, workdir: Path, visit_idle_s: float):
     subprocess.run([sys.executable, "-m", "export.publish", "publish", "--checkpoint", str(Path(checkpoint).resolve()),
                     "--repository", str(repo), "--visit-idle-s", str(visit_idle_s)], cwd=tree, env=env, check=True,
                    capture_output=True)
-    server = TritonServer(repo, free_port(), free_port(), free_port(), log_file=workdir / "baseline_tritonserver.log",
-                          exit_timeout_s=5)
-    try:
-        server.start(timeout_s=180)
+    with serve_repository(repo) as server:
         yield server
-    finally:
-        server.stop(grace_s=15)
 
 
 def compare_throughput(urls: dict, input_json: Path, concurrency: int, steps: int, env: dict, workdir: Path,

@@ -38,19 +38,27 @@ KS = (5, 10)
 def local_server(checkpoint, options=None, workdir=None, start_timeout_s: float = 180.0, export_ranker: bool = True):
     """A tritonserver on free ports serving `checkpoint`, published into a temporary repository.
     Yields the server (its grpc_url)."""
-    from backend_src.serving.server import TritonServer, free_port
     from export.publish import publish
     from export.triton_configs import ServingOptions
 
     with tempfile.TemporaryDirectory(prefix="genrec-served-", dir=workdir) as tmp:
         repo = Path(tmp) / "model_repository"
         publish(checkpoint, repo, options or ServingOptions(), export_ranker=export_ranker)
-        server = TritonServer(repo, free_port(), free_port(), free_port(), log_file=Path(tmp) / "tritonserver.log", exit_timeout_s=5)
-        try:
-            server.start(timeout_s=start_timeout_s)
+        with serve_repository(repo, start_timeout_s) as server:
             yield server
-        finally:
-            server.stop(grace_s=15)
+
+
+@contextmanager
+def serve_repository(repo: Path, start_timeout_s: float = 180.0):
+    """A tritonserver on free ports serving the repository `repo` (its log beside it)."""
+    from backend_src.serving.server import TritonServer, free_port
+
+    server = TritonServer(repo, free_port(), free_port(), free_port(), log_file=repo.parent / "tritonserver.log", exit_timeout_s=5)
+    try:
+        server.start(timeout_s=start_timeout_s)
+        yield server
+    finally:
+        server.stop(grace_s=15)
 
 
 def eval_histories(model, data, users: int | None):

@@ -44,16 +44,12 @@ def _params(args) -> dict:
 
 
 def _use_own_package(args) -> Path:
-    """Put this version's own copy of backend_src (published with it) first on the import path,
-    so that a version runs the code it was published with; returns the version directory."""
+    """Import the package published with this version (its own copy, first on the path)."""
     vdir = Path(args["model_repository"]) / args["model_version"]
     sys.path.insert(0, str(vdir))
     import backend_src
 
-    if Path(backend_src.__file__).resolve().parent != (vdir / "backend_src").resolve():
-        raise RuntimeError(f"{args['model_name']} v{args['model_version']}: backend_src was imported from "
-                           f"{backend_src.__file__}, not from its version directory")
-    pb_utils.Logger.log_info(f"{args['model_name']} v{args['model_version']}: backend_src {backend_src.__version__}")
+    pb_utils.Logger.log_info(f"{args['model_name']} v{args['model_version']}: backend_src {backend_src.require_copy_in(vdir)}")
     return vdir
 
 

@@ -30,13 +30,8 @@ def write_floor_repository(repository, cfg, options) -> Path:
 @contextlib.contextmanager
 def floor_server(cfg, options, workdir=None, start_timeout_s: float = 120.0):
     """A tritonserver on free ports serving the no-op ensemble. Yields the server."""
-    from backend_src.serving.server import TritonServer, free_port
+    from perf.served_eval import serve_repository
 
     with tempfile.TemporaryDirectory(prefix="genrec-floor-", dir=workdir) as tmp:
-        repo = write_floor_repository(Path(tmp) / "model_repository", cfg, options)
-        server = TritonServer(repo, free_port(), free_port(), free_port(), log_file=Path(tmp) / "tritonserver.log", exit_timeout_s=5)
-        try:
-            server.start(timeout_s=start_timeout_s)
+        with serve_repository(write_floor_repository(Path(tmp) / "model_repository", cfg, options), start_timeout_s) as server:
             yield server
-        finally:
-            server.stop(grace_s=15)
