@@ -63,9 +63,11 @@ $(RUNS)/bench/model.pt: | setup
 	$(PY) -m export.train --data ml-1m --max-len 512 --epochs 1 --minutes 1 --max-users 600 \
 		--valid-users 50 --test-users 50 --out $@
 
+# BASELINE_REF=<commit>: also serve the model with that commit's code and compare throughput, in turn
 bench-served: setup $(LOCUST_VENV)/.installed $(BENCH_MODEL)
 	$(SHARED_CORES) $(PY) -m perf.served --checkpoint $(BENCH_MODEL) --data ml-1m $(BENCH_USERS) --beam-width 100 --pfa-k 256 \
-		$(if $(QUICK),--quick) --locust --locust-bin $(LOCUST_VENV)/bin/locust --out perf/results/served_ml1m.json
+		$(if $(QUICK),--quick) $(if $(BASELINE_REF),--baseline-ref $(BASELINE_REF)) --locust --locust-bin $(LOCUST_VENV)/bin/locust \
+		--out perf/results/served_ml1m.json
 	$(PY) -m perf.report
 
 ## sessions at scale (100,000 users, a 1,000,000-user log), under faults, and the event log's cost (~40 min)

@@ -63,9 +63,7 @@ def user_events(u: int, n: int, num_items: int, offset: int = 0):
 
 
 def scrape(metrics_port: int) -> dict:
-    """The server's genrec_* metrics (summed over label sets), once the encoder has published
-    what the requests so far did (it publishes once a second)."""
-    time.sleep(1.5)
+    """The server's genrec_* metrics (summed over label sets)."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
     out: dict = {}
     for line in text.splitlines():

@@ -201,7 +201,6 @@ def test_evicted_sessions_are_rebuilt_from_the_log(served):
             assert rec.event_count == 14 and rec.history_length == 14
             assert rec.item_ids == offline_ids(ckpt, items, actions, ts), u
     assert restored >= len(users) // 2  # most were evicted, none was lost
-    time.sleep(1.5)  # the encoder publishes its metrics once a second
     metrics = __import__("urllib.request").request.urlopen(f"http://127.0.0.1:{served['server'].metrics_port}/metrics").read().decode()
     peak = max(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("genrec_session_cache_peak_bytes"))
     assert 0 < peak <= 48 << 10

@@ -26,16 +26,12 @@ import json
 import os
 import sys
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
 LOG_SWEEP_INTERVAL_S = 600.0
-# Metrics go to Triton from a background thread: each update is a round trip to the server
-# process, which a request should not wait for.
-METRICS_INTERVAL_S = 1.0
 
 
 def _params(args) -> dict:
@@ -141,8 +137,8 @@ class TritonPythonModel:
         gc.freeze()
         gc.set_threshold(700, 10, 1000)
         self._stop = threading.Event()
-        self._background = threading.Thread(target=self._housekeeping, daemon=True, name="metrics-and-retention")
-        self._background.start()
+        self._sweeper = threading.Thread(target=self._sweep_log, daemon=True, name="event-log-retention")
+        self._sweeper.start()
 
     # ---- metrics on Triton's /metrics endpoint ---------------------------------------------
     def _metrics(self, args) -> None:
@@ -162,38 +158,32 @@ class TritonPythonModel:
         self.m_logged = family("genrec_events_logged_total", counter, "events written to the event log")
         self.m_replayed = family("genrec_events_replayed_total", counter, "events of retried requests not applied again")
         self.m_bound.set(self.store.max_bytes)
-        self._counted = {self.m_restored: 0, self.m_logged: 0, self.m_replayed: 0}  # not yet published
-        self._counted_lock = threading.Lock()
+        # Each update is a round trip to the server process, made from the thread that runs
+        # execute (never from another thread: one blocked there at unload would hang the stub), and
+        # only for a value that changed, so a request that changes nothing makes none.
+        self._counted = {self.m_restored: 0, self.m_logged: 0, self.m_replayed: 0}
+        self._shown = {}
 
     def _count(self, metric, n: int) -> None:
-        with self._counted_lock:
-            self._counted[metric] += n
+        self._counted[metric] += n
 
     def _publish_metrics(self) -> None:
-        with self._counted_lock:
-            pending = [(m, n) for m, n in self._counted.items() if n]
-            self._counted = dict.fromkeys(self._counted, 0)
-        for metric, n in pending:
-            metric.increment(n)
+        for metric, n in self._counted.items():
+            if n:
+                metric.increment(n)
+                self._counted[metric] = 0
         s = self.store.stats()
-        self.m_bytes.set(s["bytes"])
-        self.m_peak.set(s["peak_bytes"])
-        self.m_sessions.set(s["sessions"])
+        for metric, value in ((self.m_bytes, s["bytes"]), (self.m_peak, s["peak_bytes"]), (self.m_sessions, s["sessions"])):
+            if self._shown.get(metric) != value:
+                metric.set(value)
+                self._shown[metric] = value
 
-    def _housekeeping(self) -> None:
-        """Publish the metrics every METRICS_INTERVAL_S, sweep the log every LOG_SWEEP_INTERVAL_S."""
-        next_sweep = time.monotonic() + LOG_SWEEP_INTERVAL_S
-        while not self._stop.wait(METRICS_INTERVAL_S):
+    def _sweep_log(self) -> None:
+        while not self._stop.wait(LOG_SWEEP_INTERVAL_S):
             try:
-                self._publish_metrics()
-            except Exception as e:  # noqa: BLE001 - published again at the next interval
-                print(f"history_encoder: publishing metrics failed: {e}", file=sys.stderr)
-            if time.monotonic() >= next_sweep:
-                next_sweep = time.monotonic() + LOG_SWEEP_INTERVAL_S
-                try:
-                    self.log.sweep()
-                except Exception as e:  # noqa: BLE001 - retention retries at the next interval
-                    print(f"history_encoder: event log retention sweep failed: {e}", file=sys.stderr)
+                self.log.sweep()
+            except Exception as e:  # noqa: BLE001 - retention retries at the next interval
+                print(f"history_encoder: event log retention sweep failed: {e}", file=sys.stderr)
 
     # ---- one request -> parsed request (all checks that need neither log nor cache) ---------
     def _flag(self, request, name, bit):
@@ -446,10 +436,13 @@ class TritonPythonModel:
                 seen.add(key)
             self._round(now, responses)
             pending = later
+        try:
+            self._publish_metrics()
+        except Exception as e:  # noqa: BLE001 - the answers stand; the counts go out with the next request
+            print(f"history_encoder: publishing metrics failed: {e}", file=sys.stderr)
         return responses
 
     def finalize(self):
         self._stop.set()
-        self._background.join(timeout=5)
         self.store.clear()
         self.log.close()
