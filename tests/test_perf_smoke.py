@@ -190,6 +190,7 @@ def test_gpu_kernels_script_cpu_smoke(tmp_path):
     for r in report["hstu"]:
         profile = r["profile"]
         assert len(profile["tiles"]) >= 2 and all(t["checks"]["ok"] for t in profile["tiles"].values())
-        assert set(profile["parts_at_best"]) == {"biases=1", "biases=0"}
+        # the kernel with and without its biases, the per-pair time path, the dispatched op
+        assert set(profile["parts_at_best"]) == {"biases=1", "biases=0", "per_pair_time", "op_at_best"}
         assert r["baseline"]["checks"]["ok"]
     assert "## HSTU kernel profile" in (tmp_path / "gpu_kernels.md").read_text()
