@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from backend_src.ops.reference import row_mask
+
 
 class SemanticIdDecoder(nn.Module):
     def __init__(self, cfg):
@@ -85,7 +87,7 @@ class SemanticIdDecoder(nn.Module):
         w_k, w_v = p.weight[:D].view(H, dh, D), p.weight[D:].view(H, dh, D)
         q_states = torch.einsum("bmhe,hed->bmhd", q, w_k) * dh**-0.5  # [B, M, H, D]
         logits = torch.einsum("bmhd,bnd->bmhn", q_states, states)
-        valid = torch.arange(states.shape[1], device=states.device)[None, :] < lengths[:, None]
+        valid = row_mask(lengths, states.shape[1])
         probs = torch.softmax(logits.masked_fill(~valid[:, None, None, :], float("-inf")), dim=-1)
         pooled = torch.einsum("bmhn,bnd->bmhd", probs, states)  # [B, M, H, D]
         return torch.einsum("bmhd,hed->bmhe", pooled, w_v)

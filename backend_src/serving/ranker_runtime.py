@@ -24,6 +24,7 @@ import torch.nn as nn
 
 from backend_src.model.hstu import HistoryCache
 from backend_src.model.ranker import MFalconRanker
+from backend_src.ops.reference import row_mask
 
 INPUT_NAMES = ("history_keys", "history_values", "history_timestamps", "history_lengths", "candidates")
 OUTPUT_NAME = "scores"
@@ -87,7 +88,7 @@ def example_inputs(cfg, B: int = 2, n: int = 5, m: int = 3, seed: int = 0):
     d = cfg.d_model // H
     lengths = torch.randint(1, n + 1, (B,), generator=g)
     lengths[0] = n
-    valid = torch.arange(n)[None, :] < lengths[:, None]
+    valid = row_mask(lengths, n)
     keys = torch.randn(L, B, n, H, d, generator=g) * valid[None, :, :, None, None]
     values = torch.randn(L, B, n, H, d, generator=g) * valid[None, :, :, None, None]
     ts = (1_600_000_000 + torch.randint(0, 10**5, (B, n), generator=g).cumsum(1)) * valid
