@@ -515,6 +515,7 @@ def parse_args(argv=None):
                     help="served ranker runtime (torch = the same computation as in-process)")
     ap.add_argument("--torch-threads", type=int, default=1, help="per served instance, and in-process")
     ap.add_argument("--max-queue-delay-us", type=int, default=None, help="every stage's batching delay (default: the serving default)")
+    ap.add_argument("--event-log", default=None, help="the encoder's event log (default: SQLite beside the repository; memory: to measure it)")
     ap.add_argument("--locust", action="store_true", help="also run locust headless (needs .venv-locust)")
     ap.add_argument("--locust-bin", default=None)
     ap.add_argument("--locust-users", type=int, default=4)
@@ -570,6 +571,8 @@ def main(argv=None) -> int:
                              visit_idle_s=120)
     if a.max_queue_delay_us is not None:
         serving.max_queue_delay_us = a.max_queue_delay_us
+    if a.event_log is not None:
+        serving.event_log = a.event_log
     result: dict = {"checkpoint": str(a.checkpoint), "data": data.name, "model": {"max_seq_len": max_len, "d_model": model.cfg.d_model,
                     "layers": model.cfg.num_layers, "items": model.cfg.num_items}, "options": options,
                     "serving": {"ranker_backend": a.ranker_backend, "torch_threads": a.torch_threads, "instances_per_model": 1,
