@@ -15,7 +15,7 @@ import torch
 from backend_src.config import DecodeOptions
 from backend_src.decoding import generate
 from backend_src.decoding.cuda_graphs import DecodeGraphs, HostReadDetector
-from test_decoding import D, _codebook, _decoder  # the decoder the decoding tests use
+from test_decoding import D, _codebook, _decoder, _history  # the decoder and histories the decoding tests use
 
 REPO = Path(__file__).resolve().parents[1]
 MODES = ["full", "pfa", "pfa_per_beam", "dynamic_topk"]
@@ -24,15 +24,6 @@ MODES = ["full", "pfa", "pfa_per_beam", "dynamic_topk"]
 def _model(device="cpu", shared=False):
     cb = _codebook(n=80, sizes=(5, 4, 4))
     return types.SimpleNamespace(decoder=_decoder(cb, seed=1, shared=shared).to(device), codebook=cb.to(device))
-
-
-def _batch(B, n, seed, lengths=None):
-    g = torch.Generator().manual_seed(seed)
-    states = torch.randn(B, n, D, generator=g)
-    if lengths is None:
-        lengths = torch.randint(1, n + 1, (B,), generator=g)
-        lengths[0] = n
-    return states, torch.as_tensor(lengths)
 
 
 def _same(a, b):
@@ -61,7 +52,7 @@ def test_padded_decode_equals_unpadded(mode, shared):
     opts = DecodeOptions(mode=mode, beam_width=6, k=9, r=0.5, selection_step=1)
     graphs = DecodeGraphs(model, batch_buckets=(2, 8), history_buckets=(16, 64), pad=True)
     for B, n, seed in [(3, 37, 0), (2, 16, 1), (1, 5, 2)]:
-        states, lengths = _batch(B, n, seed)
+        states, lengths = _history(B, n, seed)
         ref = generate(model.decoder, model.codebook, states, lengths, opts)
         out = graphs.retrieve(states, lengths, opts)
         assert out.item_ids.shape == (B, 6)
@@ -72,7 +63,7 @@ def test_padded_decode_equals_unpadded(mode, shared):
 
 def test_pad_inputs_layout():
     graphs = DecodeGraphs(_model(), batch_buckets=(4,), history_buckets=(8,), pad=True)
-    states, lengths = _batch(2, 5, 3, lengths=[5, 2])
+    states, lengths = _history(2, 5, 3, lengths=[5, 2])
     s, ln = graphs.pad_inputs(states, lengths, 4, 8)
     assert s.shape == (4, 8, D) and torch.equal(s[:2, :5], states)
     assert not s[:2, 5:].any() and not s[2:].any()
@@ -83,7 +74,7 @@ def test_beyond_the_buckets_decodes_unpadded():
     model = _model()
     opts = DecodeOptions(mode="pfa", beam_width=4, k=5)
     graphs = DecodeGraphs(model, batch_buckets=(2,), history_buckets=(8,), pad=True)
-    states, lengths = _batch(3, 12, 4)
+    states, lengths = _history(3, 12, 4)
     _same(graphs.retrieve(states, lengths, opts), generate(model.decoder, model.codebook, states, lengths, opts))
     assert graphs.stats["eager"] == 1
 
@@ -109,7 +100,7 @@ def _decode_reads() -> dict:
     import triton
 
     model = _model()
-    states, lengths = _batch(3, 40, 5)
+    states, lengths = _history(3, 40, 5)
     out = {}
     for mode in MODES:
         opts = DecodeOptions(mode=mode, beam_width=5, k=12, r=0.5, selection_step=1)
@@ -149,7 +140,7 @@ def test_graph_replay_equals_eager_decode(mode):
     graphs = DecodeGraphs(model, batch_buckets=(4, 8), history_buckets=(64, 128))
     assert graphs.use_graphs and graphs.warmup(opts, batch_sizes=(4,), histories=(64,)) == 1
     for B, n, seed in [(3, 37, 0), (4, 64, 1), (7, 100, 2), (2, 5, 3)]:
-        states, lengths = _batch(B, n, seed)
+        states, lengths = _history(B, n, seed)
         ref = generate(model.decoder, model.codebook, states.cuda(), lengths.cuda(), opts)
         _same(graphs.retrieve(states, lengths, opts), ref)
     assert graphs.stats["replays"] == 4 and graphs.stats["captures"] == 2
