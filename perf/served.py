@@ -515,6 +515,8 @@ def parse_args(argv=None):
                     help="served ranker runtime (torch = the same computation as in-process)")
     ap.add_argument("--torch-threads", type=int, default=1, help="per served instance, and in-process")
     ap.add_argument("--max-queue-delay-us", type=int, default=None, help="every stage's batching delay (default: the serving default)")
+    ap.add_argument("--instances", type=int, nargs=3, default=None, metavar=("ENCODER", "DECODER", "RANKER"),
+                    help="instances of each stage (default: the serving default, one each)")
     ap.add_argument("--event-log", default=None, help="the encoder's event log (default: SQLite beside the repository; memory: to measure it)")
     ap.add_argument("--locust", action="store_true", help="also run locust headless (needs .venv-locust)")
     ap.add_argument("--locust-bin", default=None)
@@ -573,9 +575,12 @@ def main(argv=None) -> int:
         serving.max_queue_delay_us = a.max_queue_delay_us
     if a.event_log is not None:
         serving.event_log = a.event_log
+    if a.instances:
+        serving.encoder_instances, serving.decoder_instances, serving.ranker_instances = a.instances
     result: dict = {"checkpoint": str(a.checkpoint), "data": data.name, "model": {"max_seq_len": max_len, "d_model": model.cfg.d_model,
                     "layers": model.cfg.num_layers, "items": model.cfg.num_items}, "options": options,
-                    "serving": {"ranker_backend": a.ranker_backend, "torch_threads": a.torch_threads, "instances_per_model": 1,
+                    "serving": {"ranker_backend": a.ranker_backend, "torch_threads": a.torch_threads,
+                                "instances": [serving.encoder_instances, serving.decoder_instances, serving.ranker_instances],
                                 "max_queue_delay_us": serving.max_queue_delay_us}}
     rows = []
     work = Path(tempfile.mkdtemp(prefix="genrec-perf-", dir=REPO_ROOT / "runs" if (REPO_ROOT / "runs").is_dir() else None))
