@@ -804,17 +804,22 @@ def nginx_version(binary: str) -> tuple:
 
 def test_nginx_accepts_the_config(rendered, tmp_path):
     """`nginx -t` on the rendered nginx.conf, where an nginx binary is installed. Offline, the
-    cluster DNS names become 127.0.0.1 (nginx resolves them while checking) and /tmp becomes a
-    scratch folder; an nginx older than the image's loses only what it lacks (`resolve` before
+    cluster DNS names become 127.0.0.1 (nginx resolves them while checking) and the prefix (its
+    temporary files, the pid) a scratch folder; an nginx older than the image's loses only what it lacks (`resolve` before
     1.27.3, `http2 on` before 1.25.1), each rewrite named in the test's output."""
     binary = shutil.which("nginx") or next((p for p in ("/usr/sbin/nginx", "/usr/local/sbin/nginx") if Path(p).exists()), None)
     if not binary:
         pytest.skip("no nginx binary here: the config's syntax was not checked by nginx itself")
     version = nginx_version(binary)
     _, conf = nginx_conf(rendered["base"])
-    rewrites = ["cluster DNS names -> 127.0.0.1", "/tmp -> scratch folder"]
+    rewrites = ["cluster DNS names -> 127.0.0.1", "prefix -> scratch folder"]
     conf = re.sub(r"\b[a-z0-9-]+(\.[a-z0-9-]+)*\.svc\.cluster\.local\b", "127.0.0.1", conf)
-    conf = conf.replace("/tmp/", f"{tmp_path}/")
+    # every file nginx writes is under the prefix the Deployment gives it, a writable volume
+    args = container(find(rendered["base"], "Deployment", BALANCER), "nginx")["args"]
+    prefix = args[args.index("-p") + 1]
+    dep = find(rendered["base"], "Deployment", BALANCER)
+    assert any(m["mountPath"] == prefix for m in container(dep, "nginx")["volumeMounts"])
+    assert not re.search(r"^\s*(pid|\w+_temp_path)\s+/", strip_comments(conf), re.M)
     if version < (1, 27, 3):
         conf = re.sub(r"(server\s+\S+)\s+resolve\b", r"\1", conf)
         rewrites.append("`resolve` dropped")
@@ -889,7 +894,7 @@ def test_dockerfile_builds_what_the_manifests_run(rendered):
     for src in re.findall(r"^COPY\s+(.+)\s+\S+$", text, re.M):
         for path in src.split():
             assert (ROOT / path).exists(), f"Dockerfile copies {path}, which does not exist"
-    assert re.search(r'^ENTRYPOINT \["tini", "--", "python", "/opt/genrec/deploy/image/entrypoint.py"\]$', text, re.M)
+    assert re.search(r'^ENTRYPOINT \["tini", "--", ".venv/bin/python", "deploy/image/entrypoint.py"\]$', text, re.M)
     dep = find(rendered["base"], "Deployment", TRITON)
     uid = pod_spec(dep)["securityContext"]["runAsUser"]
     assert re.search(rf"^USER {uid}:", text, re.M)
