@@ -52,7 +52,7 @@ class ServingOptions:
     max_request_events: int = 100_000
     ranker_microbatch: int = 64
     rank_by: str = "fused"  # order of the top-K: "fused" (M-FALCON logit + retrieval log-prob) or "ranker" (logit)
-    ranker_backend: str = "auto"  # auto (TensorRT plan on a GPU > ranker.onnx > torch) | torch | onnx | tensorrt
+    ranker_backend: str = "auto"  # auto (TensorRT on a GPU, else ONNX Runtime or torch by history length) | torch | onnx | tensorrt
     torch_threads: int = 1
 
     def to_dict(self) -> dict:

@@ -253,7 +253,8 @@ def _per_request_ms(acc: dict) -> dict:
 class InProcess:
     """The work of one served request, done in this process with the same torch threads: open =
     encode the history + recommend; append = append one event to the cached history + recommend;
-    recommend = recommend on the cached history. Also times retrieval alone (the decoder's part)."""
+    recommend = recommend on the cached history. With `parts`, also retrieval alone (the decoder's
+    share of recommend, run once more after it)."""
 
     def __init__(self, model, events: tuple, options, top_k: int, threads: int):
         import torch
@@ -271,8 +272,8 @@ class InProcess:
     def _encode(self, n):
         return self.model.encode(self.idx[:, :n], self.act[:, :n], self.tim[:, :n], self.torch.tensor([n]))
 
-    def __call__(self, kind: str) -> dict:
-        """Milliseconds of the whole request and of its parts."""
+    def __call__(self, kind: str, parts: bool = True) -> dict:
+        """Milliseconds of the whole request (and of its parts)."""
         m, torch = self.model, self.torch
         with torch.inference_mode():
             t0 = time.perf_counter()
@@ -285,8 +286,11 @@ class InProcess:
             t1 = time.perf_counter()
             m.recommend(cache, self.options, top_k=self.top_k)
             t2 = time.perf_counter()
-            m.retrieve(cache, self.options)
+            if parts:
+                m.retrieve(cache, self.options)
             t3 = time.perf_counter()
+        if not parts:
+            return {"total": (t2 - t0) * 1e3}
         return {"total": (t2 - t0) * 1e3, "encoder": (t1 - t0) * 1e3, "decoder": (t3 - t2) * 1e3,
                 "ranker": max(0.0, (t2 - t1) - (t3 - t2)) * 1e3}
 
@@ -358,7 +362,7 @@ def latency_rows(model, data, url: str, floor_url: str, histories, options: dict
                         samples["in_process"].append(lp["total"])
                         parts.append(lp)
                 # the same work again back to back in this process: warm caches, no other process between
-                samples["in_process_warm"] = [local(kind)["total"] for _ in range(requests)]
+                samples["in_process_warm"] = [local(kind, parts=False)["total"] for _ in range(requests)]
                 st = {k: pct(v) for k, v in samples.items()}
                 row = {"kind": kind, "history": n, "requests": requests,
                        "served_p50_ms": st["served"]["p50_ms"], "served_p99_ms": st["served"]["p99_ms"],

@@ -165,6 +165,7 @@ class RankerRuntime:
         """One runtime that sends each call to the fastest of `runtimes` for its history length,
         timed here once (one user, `candidates` candidates, history lengths 16, 32, ... up to
         max_history): on a CPU ONNX Runtime wins on short histories and torch on long ones."""
+        import bisect
         import time
 
         buckets = []
@@ -189,10 +190,10 @@ class RankerRuntime:
                 if best is None or t < best[0]:
                     best = (t, rt)
             table.append((n, best[1]))
-        bounds = torch.tensor([n for n, _ in table])
+        bounds = [n for n, _ in table]
 
         def run(keys, values, ts, lengths, cands):
-            i = min(int(torch.searchsorted(bounds, ts.shape[1])), len(table) - 1)
+            i = min(bisect.bisect_left(bounds, ts.shape[1]), len(table) - 1)
             return table[i][1]._run(keys, values, ts, lengths, cands)
 
         chosen = ", ".join(f"n<={n}: {rt.backend}" for n, rt in table)
@@ -201,8 +202,8 @@ class RankerRuntime:
     @classmethod
     def from_version_dir(cls, path, model: nn.Module | None = None, backend: str = "auto") -> "RankerRuntime":
         """The fastest backend a model version supports here: tensorrt (ranker.plan, a CUDA
-        GPU and an importable tensorrt) > onnxruntime (ranker.onnx) > torch (``model``, else
-        the version's ranker.pt)."""
+        GPU and an importable tensorrt); else, with ranker.onnx, ONNX Runtime and torch routed by
+        history length (fastest_by_history); else torch (``model``, else the version's ranker.pt)."""
         vdir = Path(path)
         plan, onnx_file = vdir / PLAN_FILE, vdir / ONNX_FILE
         auto = backend == "auto"

@@ -5,8 +5,9 @@ The candidates attend to the history K/V handed over by history_encoder (never r
 and to themselves only, in microbatches. Requests batched together are ranked in one call
 (histories padded to the longest). The ranker runs on the fastest runtime this version holds
 (backend_src.serving.ranker_runtime): a TensorRT plan on a GPU host; on a CPU ``ranker.onnx`` in
-ONNX Runtime or torch, whichever was faster for the history's length when the version loaded. The top TOP_K by ranking score come back with their raw item ids,
-retrieval log-probabilities and semantic IDs; with EXCLUDE_SEEN, candidates already in the
+ONNX Runtime or torch, whichever was faster for the history's length when the version loaded.
+The top TOP_K by ranking score come back with their raw item ids, retrieval log-probabilities
+and semantic IDs; with EXCLUDE_SEEN, candidates already in the
 session's history are left out and the fused order takes the checkpoint's weight for that policy.
 """
 import gc
