@@ -54,6 +54,12 @@ class ModelConfig:
 
 ATTENTION_MODES = ("full", "pfa", "pfa_per_beam", "dynamic_topk")
 
+# M-FALCON candidates scored per call. Scores do not depend on it (a candidate attends to the
+# history and to itself only) and its cost is linear in it, so fewer, larger calls win: on the
+# CPU 256 is faster than 64 at every candidate count measured (perf/results/ranking_throughput.json),
+# and a beam of up to 256 is ranked in one call (the TensorRT profile's largest microbatch).
+RANKER_MICROBATCH = 256
+
 
 @dataclass
 class DecodeOptions:

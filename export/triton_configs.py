@@ -15,7 +15,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from backend_src.config import DecodeOptions, ModelConfig
+from backend_src.config import RANKER_MICROBATCH, DecodeOptions, ModelConfig
 from backend_src.serving import protocol as P
 from backend_src.serving.session_store import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_BYTES
 
@@ -50,7 +50,7 @@ class ServingOptions:
     max_top_k: int = 256
     max_beam_width: int = 1024
     max_request_events: int = 100_000
-    ranker_microbatch: int = 64
+    ranker_microbatch: int = RANKER_MICROBATCH
     rank_by: str = "fused"  # order of the top-K: "fused" (M-FALCON logit + retrieval log-prob) or "ranker" (logit)
     ranker_backend: str = "auto"  # auto (TensorRT on a GPU, else ONNX Runtime or torch by history length) | torch | onnx | tensorrt
     torch_threads: int = 1

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from backend_src.config import ModelConfig
+from backend_src.config import RANKER_MICROBATCH, ModelConfig
 from backend_src.model.hstu import HistoryCache, HSTUEncoder
 
 RANK_ACTION = 7  # action id of a ranking-target token
@@ -88,7 +88,7 @@ class MFalconRanker(nn.Module):
         return logits.masked_fill(candidates == 0, float("-inf"))
 
     # ---- serving ------------------------------------------------------------------------
-    def score(self, cache: HistoryCache, candidates: torch.Tensor, microbatch_size: int = 64) -> torch.Tensor:
+    def score(self, cache: HistoryCache, candidates: torch.Tensor, microbatch_size: int = RANKER_MICROBATCH) -> torch.Tensor:
         """Logits [B, M] for candidates [B, M] after each user's whole cached history.
 
         Candidate position = cache.lengths (the next position), time = last history timestamp

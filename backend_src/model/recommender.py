@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from backend_src.config import DecodeOptions, ModelConfig
+from backend_src.config import RANKER_MICROBATCH, DecodeOptions, ModelConfig
 from backend_src.decoding.beam_search import BeamResult, generate
 from backend_src.model.decoder import SemanticIdDecoder
 from backend_src.model.hstu import HistoryCache, HSTUEncoder
@@ -192,8 +192,10 @@ class GenerativeRecommender(nn.Module):
         """Raw ids -> item indices. Unknown ids raise KeyError naming them, or map to 0 (the
         padding index) when not `strict` (a history logged under another catalog version)."""
         get = self._index.get  # indices start at 1: 0 is what an unknown id gets
-        keys = (raw.decode() if isinstance(raw, bytes) else str(raw) for raw in raw_ids)
-        out = np.fromiter((get(k, 0) for k in keys), dtype=np.int64, count=len(raw_ids))
+        out = np.array([get(k, 0) for k in raw_ids], dtype=np.int64)  # ids as str: one pass
+        for j in np.flatnonzero(out == 0):  # bytes or ints name the item their str form names
+            raw = raw_ids[j]
+            out[j] = get(raw.decode() if isinstance(raw, bytes) else str(raw), 0)
         unknown = [raw_ids[j] for j in np.flatnonzero(out == 0)] if strict else []
         if unknown:
             shown = ", ".join(repr(u) for u in unknown[:5])
@@ -236,7 +238,7 @@ class GenerativeRecommender(nn.Module):
         scores[..., 0] = float("-inf")
         return scores
 
-    def rank(self, cache: HistoryCache, candidates: torch.Tensor, microbatch_size: int = 64) -> torch.Tensor:
+    def rank(self, cache: HistoryCache, candidates: torch.Tensor, microbatch_size: int = RANKER_MICROBATCH) -> torch.Tensor:
         return self.ranker.score(cache, candidates, microbatch_size)
 
     @torch.no_grad()
@@ -245,7 +247,7 @@ class GenerativeRecommender(nn.Module):
         cache: HistoryCache,
         options: DecodeOptions,
         top_k: int = 10,
-        microbatch_size: int = 64,
+        microbatch_size: int = RANKER_MICROBATCH,
         exclude_seen: bool = False,
         history_items: torch.Tensor | None = None,  # [B, N] needed when exclude_seen
         rank_by: str = "fused",

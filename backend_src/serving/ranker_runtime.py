@@ -22,6 +22,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from backend_src.config import RANKER_MICROBATCH
 from backend_src.model.hstu import HistoryCache
 from backend_src.model.ranker import MFalconRanker
 from backend_src.ops.reference import row_mask
@@ -200,10 +201,12 @@ class RankerRuntime:
         return cls("routed", run, chosen, runtimes[0].device)
 
     @classmethod
-    def from_version_dir(cls, path, model: nn.Module | None = None, backend: str = "auto") -> "RankerRuntime":
+    def from_version_dir(cls, path, model: nn.Module | None = None, backend: str = "auto",
+                         candidates: int = 100) -> "RankerRuntime":
         """The fastest backend a model version supports here: tensorrt (ranker.plan, a CUDA
         GPU and an importable tensorrt); else, with ranker.onnx, ONNX Runtime and torch routed by
-        history length (fastest_by_history); else torch (``model``, else the version's ranker.pt)."""
+        history length (fastest_by_history, timed on calls of `candidates` candidates: the
+        candidates of one served call); else torch (``model``, else the version's ranker.pt)."""
         vdir = Path(path)
         plan, onnx_file = vdir / PLAN_FILE, vdir / ONNX_FILE
         auto = backend == "auto"
@@ -225,7 +228,7 @@ class RankerRuntime:
             if not auto or model is None:
                 return onnx
             # neither is faster at every history length on a CPU: route by length
-            return cls.fastest_by_history([onnx, cls.torch(model)], model.cfg, model.cfg.max_seq_len)
+            return cls.fastest_by_history([onnx, cls.torch(model)], model.cfg, model.cfg.max_seq_len, candidates)
         if backend == "torch":
             if model is None:
                 raise ValueError(f"{vdir}: no {PLAN_FILE}/{ONNX_FILE} usable here and no torch model given")
@@ -233,7 +236,7 @@ class RankerRuntime:
         raise ValueError(f"backend must be 'auto' or one of {BACKENDS}, got {backend!r}")
 
     # ---- scoring --------------------------------------------------------------------------
-    def score(self, keys, values, timestamps, lengths, candidates, microbatch_size: int = 64):
+    def score(self, keys, values, timestamps, lengths, candidates, microbatch_size: int = RANKER_MICROBATCH):
         """Scores [B, M] (same type as ``candidates``: numpy in -> numpy out, else torch).
 
         keys/values [L, B, n, H, d], timestamps [B, n], lengths [B], candidates [B, M] (0 =
@@ -255,7 +258,7 @@ class RankerRuntime:
         scores = torch.cat(parts, dim=1) if parts else torch.zeros(B, 0)
         return scores.cpu().numpy() if as_numpy else scores
 
-    def score_cache(self, cache: HistoryCache, candidates, microbatch_size: int = 64):
+    def score_cache(self, cache: HistoryCache, candidates, microbatch_size: int = RANKER_MICROBATCH):
         """``score`` on a HistoryCache."""
         return self.score(cache.keys, cache.values, cache.timestamps, cache.lengths, candidates, microbatch_size)
 

@@ -94,6 +94,10 @@ def check_dtype(spec: P.TensorSpec, dtype_name: str) -> None:
 
 def decode_strings(arr: np.ndarray, name: str) -> list:
     """BYTES tensor -> list of str (utf-8)."""
+    try:  # the common case, all bytes and valid utf-8, in one pass
+        return [v.decode("utf-8") for v in arr.reshape(-1).tolist()]
+    except (AttributeError, UnicodeDecodeError):
+        pass
     out = []
     for v in arr.reshape(-1):
         if isinstance(v, bytes):
@@ -345,10 +349,11 @@ def option_key(opts: DecodeOptions) -> tuple:
 # ------------------------------------------------------------------------------------------
 # Reading a request's inputs inside a served model
 # ------------------------------------------------------------------------------------------
-def read_input(request, spec: P.TensorSpec, sizes: dict, max_elements: int, get_input) -> np.ndarray | None:
+def read_input(inputs: Mapping, spec: P.TensorSpec, sizes: dict, max_elements: int) -> np.ndarray | None:
     """The input `spec` of a request as numpy (None if an optional input is absent), its shape
-    checked first. `get_input` is the backend's get_input_tensor_by_name."""
-    t = get_input(request, spec.name)
+    checked first. `inputs`: the request's tensors by name, built once per request (the backend's
+    get_input_tensor_by_name lists every input anew on each call)."""
+    t = inputs.get(spec.name)
     if t is None:
         if spec.optional:
             return None

@@ -186,8 +186,8 @@ class TritonPythonModel:
                 print(f"history_encoder: event log retention sweep failed: {e}", file=sys.stderr)
 
     # ---- one request -> parsed request (all checks that need neither log nor cache) ---------
-    def _flag(self, request, name, bit):
-        t = pb_utils.get_input_tensor_by_name(request, name)
+    def _flag(self, request, inputs, name, bit):
+        t = inputs.get(name)
         if t is not None:
             return bool(np.asarray(t.as_numpy()).reshape(-1)[0])
         return bool(request.flags() & bit)
@@ -197,9 +197,10 @@ class TritonPythonModel:
         cid = request.correlation_id()
         if cid == 0 or cid == "":
             raise V.RequestError("history_encoder needs a sequence id (one per user session)")
-        start = self._flag(request, P.CONTROL_START, 1)
-        end = self._flag(request, P.CONTROL_END, 2)
-        read = lambda spec: V.read_input(request, spec, self.sizes, self.max_elements, pb_utils.get_input_tensor_by_name)  # noqa: E731
+        inputs = {t.name(): t for t in request.inputs()}
+        start = self._flag(request, inputs, P.CONTROL_START, 1)
+        end = self._flag(request, inputs, P.CONTROL_END, 2)
+        read = lambda spec: V.read_input(inputs, spec, self.sizes, self.max_elements)  # noqa: E731
         raw = read(P.ITEM_IDS)
         actions = read(P.ACTIONS).reshape(-1).astype(np.int64)
         timestamps = read(P.TIMESTAMPS).reshape(-1).astype(np.int64)
@@ -309,6 +310,8 @@ class TritonPythonModel:
         for p in plans:
             if p.reencode:
                 p.history = (p.items, p.actions, p.timestamps)
+            elif p.items.shape[0] == 0:  # nothing appended: the cached history as it is
+                p.history = p.base
             else:
                 p.history = tuple(self.torch.cat([b, x]) for b, x in zip(p.base, (p.items, p.actions, p.timestamps)))
 

@@ -72,7 +72,7 @@ class TritonPythonModel:
         self.max_top_k = int(params.get("max_top_k", 256))
         self.max_beams = int(params.get("max_beam_width", 1024))
         self.default_top_k = int(params.get("top_k", 10))
-        self.microbatch = int(params.get("ranker_microbatch", 64))
+        self.microbatch = int(params["ranker_microbatch"])
         self.rank_by = params.get("rank_by", "fused")  # the order everything else defaults to
         if self.rank_by not in RANK_ORDERS:
             raise ValueError(f"rank_by must be one of {RANK_ORDERS}, got {self.rank_by!r}")
@@ -81,13 +81,16 @@ class TritonPythonModel:
         from backend_src.serving.ranker_runtime import RankerRuntime
 
         backend = RUNTIME_BACKENDS[params.get("ranker_backend", "auto")]
-        self.runtime = RankerRuntime.from_version_dir(vdir, self.model, backend=backend)
+        # the routing is timed on one call of the default beam's candidates
+        one_call = min(self.microbatch, V.decode_defaults(params).beam_width)
+        self.runtime = RankerRuntime.from_version_dir(vdir, self.model, backend=backend, candidates=one_call)
         pb_utils.Logger.log_info(f"mfalcon_ranker v{args['model_version']}: ranking with {self.runtime}")
         gc.freeze()  # what loading made is never garbage: later collections skip it
 
     def _read(self, request) -> "_Ranking":
         P, V = self.P, self.V
-        read = lambda spec: V.read_input(request, spec, self.sizes, self.max_elements, pb_utils.get_input_tensor_by_name)  # noqa: E731
+        inputs = {t.name(): t for t in request.inputs()}
+        read = lambda spec: V.read_input(inputs, spec, self.sizes, self.max_elements)  # noqa: E731
         keys = read(P.HISTORY_KEYS)  # [1, L, n, H, dh]
         values = read(P.HISTORY_VALUES)
         ts = read(P.HISTORY_TIMESTAMPS)  # [1, n]

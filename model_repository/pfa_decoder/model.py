@@ -67,7 +67,8 @@ class TritonPythonModel:
 
     def _read(self, request):
         P, V = self.P, self.V
-        read = lambda spec: V.read_input(request, spec, self.sizes, self.max_elements, pb_utils.get_input_tensor_by_name)
+        inputs = {t.name(): t for t in request.inputs()}
+        read = lambda spec: V.read_input(inputs, spec, self.sizes, self.max_elements)
         states = read(P.HISTORY_STATES)  # [1, n, D]
         # this model is reachable directly, not only through the ensemble: check before decoding
         V.check_decoder_inputs(states, self.limits.max_history)
