@@ -234,7 +234,7 @@ def parse_args(argv=None):
 # where a decode's time goes: phase -> the calls of ``generate`` timed under it (the ops module's
 # attention ops, the decoder's methods); the rest of the decode is its beam bookkeeping
 PHASES = {
-    "history_attention": [(ops, "decode_attention"), (ops, "pfa_select"), (ops, "dynamic_topk_attention"),
+    "history_attention": [(ops, "decode_attention"), (ops, "pfa_select_rows"), (ops, "dynamic_topk_attention"),
                           ("decoder", "attend_states")],
     "kv_projection": [("decoder", "project_step")],
     "beam_layers": [("decoder", "query"), ("decoder", "head"), ("decoder", "code_embedding")],

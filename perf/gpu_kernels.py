@@ -194,6 +194,7 @@ def bench_decode(torch, R, K, timer, args, cfg, dtype, dev, info) -> dict:
     vs = [rnd(B, N, H, d) for _ in range(NUM_CODES)]
     w = torch.softmax(torch.randn(B, W, generator=g, device=dev), -1)
     q, k, v = qs[1], ks[1], vs[1]
+    states = rnd(B, N, H * d)  # the decoder's history states, gathered at the selection step
     bud = budgets(args, N)
     keep = bud[1]
     valid_rows = float(lengths.sum())
@@ -217,10 +218,23 @@ def bench_decode(torch, R, K, timer, args, cfg, dtype, dev, info) -> dict:
     row_err = (dyn.float() - r_dyn).abs().amax(-1)  # [B, W, H]; a near-tie may pick another row
     chk["dynamic_topk_rows_over_tol_frac"] = float((row_err > tol).float().mean())
     chk["gather_rows_exact"] = bool(torch.equal(K.gather_rows(k, order), R.gather_rows(k, order)))
+    # PFA's selection fused with the gather of the kept states, against the unfused composition:
+    # on the same scores the same order (torch.topk, distinct scores) and exactly its rows; the op
+    # against pfa_select + gather_rows (each scoring anew: float atomics may break a near-tie differently)
+    scores = K._pfa_scores(q, k, lengths, w)
+    f_order, (f_rows,) = K._select_rows(scores, keep, (states,))
+    chk["pfa_select_rows_same_order"] = bool(torch.equal(f_order[pos], torch.topk(scores, keep, dim=1).indices[pos]))
+    chk["pfa_select_rows_exact"] = bool(torch.equal(f_rows, K.gather_rows(states, f_order)))
+    (f_rows,), f_kept = K.pfa_select_rows(q, k, lengths, w, keep, (states,))
+    u_rows = K.gather_rows(states, order)
+    same = [torch.equal(f_rows[b, : kept[b]], u_rows[b, : kept[b]]) for b in range(min(B, 64))]
+    chk["pfa_select_rows_same_rows_frac"] = sum(same) / len(same) if torch.equal(f_kept, kept) else 0.0
+    del scores, f_order, f_rows, u_rows
     ok = (chk["decode_attention"] <= tol and chk["attention_probs"] <= tol / 4
           and chk["pfa_select_kept_lengths_equal"] and chk["pfa_select_same_kept_set_frac"] >= 0.95
           and chk["dynamic_topk_rows_over_tol_frac"] <= 1e-3
-          and chk["gather_rows_exact"])
+          and chk["gather_rows_exact"] and chk["pfa_select_rows_same_order"] and chk["pfa_select_rows_exact"]
+          and chk["pfa_select_rows_same_rows_frac"] >= 0.95)
     chk["ok"] = bool(ok)
     del q32, k32, v32, r_dyn
 
@@ -232,6 +246,9 @@ def bench_decode(torch, R, K, timer, args, cfg, dtype, dev, info) -> dict:
         # every beam's rows are masked in one dense pass over the user's K/V (no per-beam gather)
         "dynamic_topk_attention": esize * (2 * B * W * H * d + 2 * valid_rows * H * d),
         "gather_rows": esize * 2 * B * keep * H * d,
+        # the selection, then the kept states read and written (fused: one launch after the scores)
+        "pfa_select_rows": esize * (B * W * H * d + valid_rows * H * d + 2 * B * keep * H * d),
+        "pfa_select+gather_rows": esize * (B * W * H * d + valid_rows * H * d + 2 * B * keep * H * d),
     }
     flops = {
         "decode_attention": 4 * W * valid_rows * H * d,
@@ -239,6 +256,8 @@ def bench_decode(torch, R, K, timer, args, cfg, dtype, dev, info) -> dict:
         "pfa_select": 4 * W * valid_rows * H * d,  # QK twice: softmax statistics, then weights
         "dynamic_topk_attention": 8 * W * valid_rows * H * d,  # QK for statistics and weights, then QK + AV
         "gather_rows": 0.0,
+        "pfa_select_rows": 4 * W * valid_rows * H * d,
+        "pfa_select+gather_rows": 4 * W * valid_rows * H * d,
     }
     calls = {
         "decode_attention": lambda m: m.decode_attention(q, k, v, lengths),
@@ -246,6 +265,8 @@ def bench_decode(torch, R, K, timer, args, cfg, dtype, dev, info) -> dict:
         "pfa_select": lambda m: m.pfa_select(q, k, lengths, w, keep),
         "dynamic_topk_attention": lambda m: m.dynamic_topk_attention(q, k, v, lengths, keep),
         "gather_rows": lambda m: m.gather_rows(k, order),
+        "pfa_select_rows": lambda m: m.pfa_select_rows(q, k, lengths, w, keep, (states,)),
+        "pfa_select+gather_rows": lambda m: m.gather_rows(states, m.pfa_select(q, k, lengths, w, keep)[0]),
     }
     fp_peak = info["peak_flops"]["fp32" if args.dtype == "fp32" else "tensor_fp16"]
     for name, call in calls.items():
@@ -258,13 +279,21 @@ def bench_decode(torch, R, K, timer, args, cfg, dtype, dev, info) -> dict:
             "triton_tflops": flops[name] / t_k / 1e9,
             "flop_frac": (flops[name] / (t_k * 1e-3) / fp_peak) if fp_peak else None,
         }
+    kern = res["kernels"]
+    res["fused_selection"] = {"fused_ms": kern["pfa_select_rows"]["triton_ms"],
+                              "unfused_ms": kern["pfa_select+gather_rows"]["triton_ms"],
+                              "unfused_over_fused": kern["pfa_select+gather_rows"]["triton_ms"]
+                              / kern["pfa_select_rows"]["triton_ms"]}
 
-    # ---- where the selection ops spend their time: scores kernel, then torch.topk
+    # ---- where the selection ops spend their time: scores kernel, then torch.topk (and the gather
+    # of the kept states), or the fused top-k + gather kernel
     pfa_scores = K._pfa_scores(q, k, lengths, w)
     beam_scores = K._beam_head_mean(q, k, lengths)
     parts = {
         "pfa_scores": lambda: K._pfa_scores(q, k, lengths, w),
         "pfa_topk": lambda: torch.topk(pfa_scores, keep, dim=1),
+        "pfa_topk_gather": lambda: K.gather_rows(states, torch.topk(pfa_scores, keep, dim=1).indices),
+        "pfa_select_rows_kernel": lambda: K._select_rows(pfa_scores, keep, (states,)),
         "beam_scores": lambda: K._beam_head_mean(q, k, lengths),
         "beam_topk": lambda: torch.topk(beam_scores, keep, dim=-1),
     }
@@ -465,13 +494,18 @@ def markdown(report: dict) -> str:
                              f"{_f(t['triton_tb_s'], '.2f')} | {_f(100 * t['bw_frac'], '.1f')} | "
                              f"{_f(t['triton_tflops'], '.1f')} | {r['checks']['ok']} |")
         lines += ["", "## Parts of the selection ops (Triton path, ms)", "",
-                  "| users | heads | d | N | PFA scores kernel | PFA top-k | per-beam scores kernel | per-beam top-k |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "PFA's selection with the gather of the kept states: torch.topk + gather_rows, or the fused "
+                  "top-k + gather kernel (after the same scores kernel); the whole op, unfused over fused.", "",
+                  "| users | heads | d | N | PFA scores kernel | PFA top-k | top-k + gather | fused top-k + gather | "
+                  "op unfused / fused | per-beam scores kernel | per-beam top-k |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in report["decode"]:
             c, t = r["config"], r.get("parts_ms", {})
+            fused = r.get("fused_selection", {})
             lines.append(f"| {c['users']} | {c['heads']} | {c['head_dim']} | {c['history']} | "
-                         f"{_f(t.get('pfa_scores'))} | {_f(t.get('pfa_topk'))} | {_f(t.get('beam_scores'))} | "
-                         f"{_f(t.get('beam_topk'))} |")
+                         f"{_f(t.get('pfa_scores'))} | {_f(t.get('pfa_topk'))} | {_f(t.get('pfa_topk_gather'))} | "
+                         f"{_f(t.get('pfa_select_rows_kernel'))} | {_f(fused.get('unfused_over_fused'), '.2f')} | "
+                         f"{_f(t.get('beam_scores'))} | {_f(t.get('beam_topk'))} |")
     if report["hstu"]:
         lines += ["", "## HSTU attention", "",
                   "| batch | heads | d | N | candidates | triton ms | torch ms | speedup | TB/s | % peak BW | "

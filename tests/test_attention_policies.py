@@ -182,15 +182,19 @@ def test_one_policy_per_mode():
 @pytest.mark.parametrize("shared", [False, True])
 @pytest.mark.parametrize("s", [0, 1, 2])
 def test_pfa_selects_once_and_gathers_once(monkeypatch, s, shared):
-    """One pfa_select at the selection step, one gather of the kept rows, then prefixes of k_t rows."""
+    """One pfa_select_rows at the selection step, which gathers the kept rows in the same call,
+    then prefixes of k_t rows."""
     dec, cb, states, lengths = setup(shared)
-    calls = {"pfa_select": 0, "gather_rows": []}
-    real_select, real_gather, real_attend = ops.pfa_select, ops.gather_rows, ops.decode_attention
+    calls = {"pfa_select_rows": [], "gather_rows": []}
+    real_select, real_gather, real_attend = ops.pfa_select_rows, ops.gather_rows, ops.decode_attention
     budgets = []
 
-    def select(*a, **kw):
-        calls["pfa_select"] += 1
-        return real_select(*a, **kw)
+    def select(q, k, lens, w, keep, rows):
+        calls["pfa_select_rows"].append([tuple(x.shape) for x in rows])
+        return real_select(q, k, lens, w, keep, rows)
+
+    def separate_select(*a, **kw):
+        raise AssertionError("a selection outside pfa_select_rows")
 
     def gather(x, idx):
         calls["gather_rows"].append(tuple(x.shape))
@@ -200,14 +204,17 @@ def test_pfa_selects_once_and_gathers_once(monkeypatch, s, shared):
         budgets.append(k.shape[1])
         return real_attend(q, k, v, lens)
 
-    monkeypatch.setattr(ops, "pfa_select", select)
+    monkeypatch.setattr(ops, "pfa_select_rows", select)
+    monkeypatch.setattr(ops, "pfa_select", separate_select)
     monkeypatch.setattr(ops, "gather_rows", gather)
     monkeypatch.setattr(ops, "decode_attention", attend)
     opts = DecodeOptions(mode="pfa", beam_width=6, k=8, r=0.5, selection_step=s)
     generate(dec, cb, states, lengths, opts)
-    assert calls["pfa_select"] == 1
-    history_gathers = [shp for shp in calls["gather_rows"] if shp[1] == states.shape[1]]  # [B, N, ...]
-    assert len(history_gathers) == (2 if shared else 1)  # the kept K and V, or the kept states
+    assert len(calls["pfa_select_rows"]) == 1
+    gathered = calls["pfa_select_rows"][0]  # [B, N, ...]: the kept K and V, or the kept states
+    B, N = states.shape[:2]
+    assert gathered == ([(B, N, H, D // H)] * 2 if shared else [tuple(states.shape)])
+    assert not [shp for shp in calls["gather_rows"] if shp[1] == N]  # no gather of history rows besides
     # steps >= s read k_t = max(1, ceil(k r^(t-s))) rows; steps < s with several beams read all N
     expected = [states.shape[1]] * max(0, s - 1) + [opts.budget(t) for t in range(s, 4)]
     assert budgets == expected

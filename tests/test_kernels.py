@@ -205,6 +205,84 @@ def test_pfa_select_then_prefix_steps():
     _close(K.decode_attention(q, kg, vg, budget), R.decode_attention(q, kg, vg, budget), TOL[torch.float32])
 
 
+# (B, W, H, N, d, lengths): N not a power of two; an empty history, histories shorter than keep
+SELECT_ROWS_SHAPES = SHAPES + [(4, 3, 2, 37, 16, [0, 37, 5, 12])]
+
+
+def _iota_rows(B, N, dtype):
+    """[B, N, 1] holding each row's index (exact in fp16 up to 2048): gathered, it is the order."""
+    return torch.arange(N, dtype=dtype)[None, :, None].expand(B, N, 1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("keep", [8, 64])
+@pytest.mark.parametrize("shape", SELECT_ROWS_SHAPES)
+def test_pfa_select_rows(shape, keep, dtype):
+    """The fused selection + gather against the reference composition (pfa_select, then
+    gather_rows): the same kept lengths and order (distinct scores), and the rows of its own
+    order gathered exactly, for K and V as a decoder projects them (strided views of one tensor),
+    the states, and every kept entry including the padding past kept_lengths."""
+    B, W, H, N, d, lens = shape
+    q, k, _, lengths = _decode_inputs(*shape, dtype, seed=24)
+    w = torch.softmax(torch.randn(B, W, generator=torch.Generator().manual_seed(25)), -1)
+    kv = torch.randn(B, N, 2, H, d, generator=torch.Generator().manual_seed(26)).to(dtype)
+    kk, vv = kv[:, :, 0], kv[:, :, 1]  # as project_step returns them
+    states = torch.randn(B, N, 24, generator=torch.Generator().manual_seed(27))
+    (k_kept, v_kept), kept = K.pfa_select_rows(q, kk, lengths, w, keep, (kk, vv))
+    (s_kept, order), kept2 = K.pfa_select_rows(q, kk, lengths, w, keep, (states, _iota_rows(B, N, dtype)))
+    (r_k, r_v), r_kept = R.pfa_select_rows(*_f32(q, kk), lengths, w, keep, (kk, vv))
+    r_order, _ = R.pfa_select(*_f32(q, kk), lengths, w, keep)
+    order = order[..., 0].long()
+    assert torch.equal(kept, r_kept) and torch.equal(kept2, r_kept)
+    assert k_kept.shape == (B, min(keep, N), H, d) and k_kept.dtype == dtype and k_kept.is_contiguous()
+    assert order.min() >= 0 and order.max() < N  # padding entries are real rows too
+    for b in range(B):  # entries past kept_lengths[b] are padding
+        n = int(kept[b])
+        assert torch.equal(order[b, :n], r_order[b, :n])
+        assert torch.equal(k_kept[b, :n], r_k[b, :n]) and torch.equal(v_kept[b, :n], r_v[b, :n])
+    assert torch.equal(k_kept, R.gather_rows(kk, order)) and torch.equal(v_kept, R.gather_rows(vv, order))
+    assert torch.equal(s_kept, R.gather_rows(states, order))
+
+
+@pytest.mark.parametrize("N,keep", [(20, 7), (33, 33), (16, 16), (5, 3)])
+def test_select_rows_ties_and_padding(N, keep):
+    """The selecting kernel on given scores: best first, ties to the lower row (a stable
+    descending sort), -inf rows after every finite one; more than two tensors (the third gathered
+    by gather_rows), int64 and bool rows copied bit for bit."""
+    g = torch.Generator().manual_seed(28)
+    B = 3
+    scores = torch.randint(0, 4, (B, N), generator=g).float() * 0.25  # many ties
+    scores[0, N // 2:] = float("-inf")  # a short history
+    scores[1] = 0.0  # every row tied
+    scores[2, 0] = float("-inf")
+    x = torch.randn(B, N, 3, 5, generator=g)
+    ids = torch.randint(0, 10**12, (B, N), generator=g)
+    flags = torch.rand(B, N, 2, generator=g) > 0.5
+    order, (xk, idk, fk) = K._select_rows(scores, keep, (x, ids, flags))
+    expected = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :keep]
+    assert torch.equal(order, expected)
+    assert torch.equal(xk, R.gather_rows(x, expected)) and xk.is_contiguous()
+    assert torch.equal(idk, R.gather_rows(ids, expected)) and torch.equal(fk, R.gather_rows(flags, expected))
+    _, (fk, xk) = K._select_rows(scores, keep, (flags, x))  # bool rows in the kernel
+    assert torch.equal(fk, R.gather_rows(flags, expected)) and torch.equal(xk, R.gather_rows(x, expected))
+
+
+def test_pfa_select_rows_long_histories_unfused(monkeypatch):
+    """Past the longest history one program sorts, the op is the unfused composition."""
+    q, k, v, lengths = _decode_inputs(2, 3, 2, 40, 16, [40, 9], torch.float32, seed=29)
+    w = torch.softmax(torch.randn(2, 3, generator=torch.Generator().manual_seed(30)), -1)
+    fused = K.pfa_select_rows(q, k, lengths, w, 16, (k, v))
+    monkeypatch.setattr(K, "SELECT_ROWS_MAX_N", 32)
+    launches = []
+    real = K._select_rows
+    monkeypatch.setattr(K, "_select_rows", lambda *a: launches.append(1) or real(*a))
+    unfused = K.pfa_select_rows(q, k, lengths, w, 16, (k, v))
+    assert not launches
+    assert torch.equal(fused[1], unfused[1])
+    for a, b in zip(fused[0], unfused[0]):  # past kept_lengths: padding (torch.topk's order of -inf)
+        assert all(torch.equal(a[u, :n], b[u, :n]) for u, n in enumerate(fused[1].tolist()))
+
+
 # --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("keep", [1, 6, 64])
@@ -450,9 +528,9 @@ def test_dispatcher_routes_to_kernels(monkeypatch):
     q, k, v, lengths = _decode_inputs(2, 3, 2, 20, 16, [20, 4], torch.float32, seed=15)
     out = dispatch.decode_attention(q, k, v, lengths)
     assert calls and torch.allclose(out, R.decode_attention(q, k, v, lengths), atol=1e-4)
-    for name in ("hstu_attention", "attention_probs", "decode_attention", "pfa_select",
+    for name in ("hstu_attention", "attention_probs", "decode_attention", "pfa_select", "pfa_select_rows",
                  "dynamic_topk_attention", "gather_rows"):
-        assert callable(getattr(K, name))
+        assert callable(getattr(K, name)) and callable(getattr(dispatch, name))
 
 
 def test_unsupported_inputs_use_reference():
@@ -500,11 +578,11 @@ def test_beam_search_through_kernels_matches_reference(monkeypatch, mode):
         monkeypatch.setenv("GENREC_OPS_BACKEND", "triton")
         monkeypatch.setattr(dispatch, "_triton_module", lambda: K)
         calls = []
-        for name in ("decode_attention", "pfa_select", "dynamic_topk_attention", "gather_rows"):
+        for name in ("decode_attention", "pfa_select", "pfa_select_rows", "dynamic_topk_attention", "gather_rows"):
             real = getattr(K, name)
             monkeypatch.setattr(K, name, lambda *a, _f=real, _n=name, **kw: calls.append(_n) or _f(*a, **kw))
         got = generate(decoder, codebook, states, lengths, opts)
-    characteristic = {"full": "decode_attention", "pfa": "pfa_select", "pfa_per_beam": "dynamic_topk_attention",
+    characteristic = {"full": "decode_attention", "pfa": "pfa_select_rows", "pfa_per_beam": "dynamic_topk_attention",
                       "dynamic_topk": "dynamic_topk_attention"}
     assert characteristic[mode] in calls
     assert torch.equal(got.item_ids, ref.item_ids)

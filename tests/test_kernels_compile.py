@@ -58,6 +58,7 @@ K = _load_compilable_kernels() if IN_PROCESS else None
 INT_PTRS = {"len_ptr", "idx_ptr", "qpos_ptr", "kpos_ptr", "qts_ptr", "kts_ptr", "nh_ptr", "qself_ptr", "cthr_ptr"}
 FLOAT_SCALARS = {"qk_scale", "inv_heads", "scale", "inv_norm", "inv_log2_base"}
 FP32_PTRS = {"_pfa_scores_kernel": {"out_ptr"}, "_beam_head_mean_kernel": {"stat_ptr", "out_ptr"},
+             "_pfa_select_rows_kernel": {"s_ptr"},
              "_hstu_attention_kernel": {"pb_ptr", "tb_ptr", "thr_ptr"},
              "_decode_attention_kernel": {"sel_ptr", "tau_ptr"}}
 
@@ -86,7 +87,7 @@ def _precision(dtype: str) -> str:
     return "ieee" if dtype == "fp32" else "tf32"
 
 
-# (kernel name, case id, constexprs as a function of the dtype)
+# (kernel name, case id, constexprs as a function of the dtype[, compile options; default 4 warps])
 CASES = [
     ("_decode_attention_kernel", "prefix_d64",
      lambda dt: dict(HAS_THRESH=False, BLOCK_W=64, BLOCK_N=64, BLOCK_D=64, BLOCK_DV=64,
@@ -106,6 +107,15 @@ CASES = [
     ("_beam_head_mean_kernel", "d64",
      lambda dt: dict(BLOCK_W=64, BLOCK_N=64, BLOCK_D=64, DOT_PRECISION=_precision(dt))),
     ("_gather_rows_kernel", "rows", lambda dt: dict(BLOCK_J=8, BLOCK_F=512)),
+    # the op's launches (warps: triton_kernels._select_rows_warps): a user's 2048 scores, then its
+    # kept states (F 64) and K (F 256); and the longest history one program sorts
+    # (SELECT_ROWS_MAX_N), one tensor
+    ("_pfa_select_rows_kernel", "n2048_two_tensors",
+     lambda dt: dict(N_POW2=2048, KEEP_POW2=256, HAS_Y=True, BLOCK_J=16, BLOCK_FX=64, BLOCK_FY=256),
+     {"num_warps": 8}),
+    ("_pfa_select_rows_kernel", "n8192_one_tensor",
+     lambda dt: dict(N_POW2=8192, KEEP_POW2=1024, HAS_Y=False, BLOCK_J=64, BLOCK_FX=64, BLOCK_FY=64),
+     {"num_warps": 16}),
     ("_hstu_attention_kernel", "d32",
      lambda dt: dict(D=32, DV=32, BLOCK_M=64, BLOCK_N=64, BLOCK_D=32, BLOCK_DV=32, DOT_PRECISION=_precision(dt),
                      BIASES=2, TIME_STEPS=3)),
@@ -123,7 +133,9 @@ CASES = [
 
 def _compile(kernel: str, case: str, dtype: str, options=None, constexprs=None):
     if constexprs is None:
-        constexprs = next(c[2] for c in CASES if c[0] == kernel and c[1] == case)(dtype)
+        entry = next(c for c in CASES if c[0] == kernel and c[1] == case)
+        constexprs = entry[2](dtype)
+        options = options or (entry[3] if len(entry) > 3 else None)
     fn = getattr(K, kernel)
     assert isinstance(fn, triton.runtime.JITFunction)
     src = ASTSource(fn, signature=_signature(fn, dtype), constexprs=constexprs)
@@ -138,25 +150,19 @@ def _hstu_usage_cases() -> list:
     return [("fp32", 16), ("fp32", 32), ("fp32", 64), ("fp32", 128), ("fp16", 32), ("fp16", 64)]
 
 
-def _hstu_usage(dtype: str, d: int) -> dict:
-    """ptxas' counts for the op's HSTU tile of `dtype` at head dim d (registers, spill bytes), from
-    the log of the compile Triton itself runs (its own ptxas flags); {} where this Triton cannot
-    print that log."""
+def _ptxas_usage(kernel: str, case: str, dtype: str, options=None, constexprs=None) -> dict:
+    """ptxas' counts for one compile of `kernel` (registers, spill bytes), from the log of the
+    compile Triton itself runs (its own ptxas flags); {} where this Triton cannot print that log."""
     knobs = getattr(triton, "knobs", None)
     if knobs is None or not hasattr(knobs.nvidia, "dump_ptxas_log") or not hasattr(knobs.compilation,
                                                                                     "always_compile"):
         return {}
-    import torch
-
-    bm, bn, warps, stages = K.hstu_tile(torch.float32 if dtype == "fp32" else torch.float16, d)
-    constexprs = dict(D=d, DV=d, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=d, BLOCK_DV=d, DOT_PRECISION=_precision(dtype),
-                      BIASES=2, TIME_STEPS=3)
     log = io.StringIO()
     saved = knobs.nvidia.dump_ptxas_log, knobs.compilation.always_compile
     knobs.nvidia.dump_ptxas_log, knobs.compilation.always_compile = True, True  # a cached cubin prints nothing
     try:
         with contextlib.redirect_stdout(log):
-            _compile("_hstu_attention_kernel", "", dtype, {"num_warps": warps, "num_stages": stages}, constexprs)
+            _compile(kernel, case, dtype, options, constexprs)
     finally:
         knobs.nvidia.dump_ptxas_log, knobs.compilation.always_compile = saved
     text = log.getvalue()
@@ -164,8 +170,22 @@ def _hstu_usage(dtype: str, d: int) -> dict:
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
     if not regs or not spills:
         return {}
-    return dict(tile=[bm, bn, warps, stages], registers=int(regs.group(1)), spill_stores=int(spills.group(1)),
-                spill_loads=int(spills.group(2)))
+    return dict(registers=int(regs.group(1)), spill_stores=int(spills.group(1)), spill_loads=int(spills.group(2)))
+
+
+def _hstu_usage(dtype: str, d: int) -> dict:
+    """ptxas' counts for the op's HSTU tile of `dtype` at head dim d ({} where they cannot be read)."""
+    import torch
+
+    bm, bn, warps, stages = K.hstu_tile(torch.float32 if dtype == "fp32" else torch.float16, d)
+    constexprs = dict(D=d, DV=d, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=d, BLOCK_DV=d, DOT_PRECISION=_precision(dtype),
+                      BIASES=2, TIME_STEPS=3)
+    usage = _ptxas_usage("_hstu_attention_kernel", "", dtype, {"num_warps": warps, "num_stages": stages}, constexprs)
+    return dict(tile=[bm, bn, warps, stages], **usage) if usage else {}
+
+
+# PFA's fused selection: its cases' ptxas counts (fp16 rows; the sort is of 64-bit keys either way)
+SELECT_ROWS_CASES = [c[1] for c in CASES if c[0] == "_pfa_select_rows_kernel"]
 
 
 def _jitted_kernels() -> list:
@@ -176,7 +196,7 @@ def _jitted_kernels() -> list:
 def _compile_all() -> dict:
     """{'kernel/case/dtype': '' or the error} for every case, and the kernels found."""
     results = {"kernels": _jitted_kernels()}
-    for kernel, case, _ in CASES:
+    for kernel, case, *_ in CASES:
         for dtype in ("fp32", "fp16"):
             try:
                 _compile(kernel, case, dtype)
@@ -188,6 +208,11 @@ def _compile_all() -> dict:
             results[f"usage/{dtype}/{d}"] = _hstu_usage(dtype, d)
         except Exception as exc:
             results[f"usage/{dtype}/{d}"] = f"{type(exc).__name__}: {exc}"
+    for case in SELECT_ROWS_CASES:
+        try:
+            results[f"usage/select_rows/{case}"] = _ptxas_usage("_pfa_select_rows_kernel", case, "fp16")
+        except Exception as exc:
+            results[f"usage/select_rows/{case}"] = f"{type(exc).__name__}: {exc}"
     return results
 
 
@@ -237,6 +262,23 @@ def test_hstu_tile_registers(dtype, d, request):
         assert usage["spill_stores"] == 0 and usage["spill_loads"] == 0, usage
     else:
         assert usage["spill_stores"] <= 1536, usage
+
+
+@pytest.mark.parametrize("case", SELECT_ROWS_CASES)
+def test_select_rows_registers(case, request):
+    """ptxas counts of PFA's fused selection: a user's keys are sorted in registers, so the warps
+    per history length (triton_kernels._select_rows_warps) must keep them there: no spills."""
+    if IN_PROCESS:
+        usage = _ptxas_usage("_pfa_select_rows_kernel", case, "fp16")
+    else:
+        usage = request.getfixturevalue("fresh_process_results")[f"usage/select_rows/{case}"]
+        assert not isinstance(usage, str), usage
+    if not usage:
+        pytest.skip("this Triton cannot print ptxas' log (triton.knobs.nvidia.dump_ptxas_log)")
+    print(f"select rows {case}: {usage['registers']} registers, "
+          f"{usage['spill_stores']} / {usage['spill_loads']} bytes spill stores / loads")
+    assert 0 < usage["registers"] <= 255
+    assert usage["spill_stores"] == 0 and usage["spill_loads"] == 0, usage
 
 
 if __name__ == "__main__":  # the fresh-process run: one JSON line of results

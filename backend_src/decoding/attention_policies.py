@@ -93,13 +93,13 @@ class FullAttention(AttentionPolicy):
 class ProgressiveFocus(AttentionPolicy):
     """PFA. At the selection step s every beam's head-averaged softmax weights over the rows,
     weighted by its normalized generation probability w_b = p_b / sum_j p_j, are pooled into one
-    score per row, a_n = sum_b w_b mean_h softmax_n(q_bh . K_nh / sqrt(dh)) (`ops.pfa_select`
-    over the keys of every row); the top k rows (importance-sorted) are gathered ONCE into
-    contiguous memory and projected for step s and every later step u, only the first k_u of them
-    (values are never projected for a dropped row). Step t >= s attends over the prefix of
-    k_t = max(1, ceil(k r^(t-s))) kept rows (k_s = k): no index gathers after selection. The
-    selection step's own weights over its kept rows, renormalized, are the softmax over those rows,
-    so step s attends over the kept block as the later steps do."""
+    score per row, a_n = sum_b w_b mean_h softmax_n(q_bh . K_nh / sqrt(dh)) over the keys of
+    every row; the top k rows (importance-sorted) are gathered ONCE into contiguous memory, in the
+    same call (`ops.pfa_select_rows`), and projected for step s and every later step u, only the
+    first k_u of them (values are never projected for a dropped row). Step t >= s attends over the
+    prefix of k_t = max(1, ceil(k r^(t-s))) kept rows (k_s = k): no index gathers after selection.
+    The selection step's own weights over its kept rows, renormalized, are the softmax over those
+    rows, so step s attends over the kept block as the later steps do."""
 
     kept: dict  # step u -> (K, V) of the kept rows, [B, k_u, H, dh] each
     kept_len: torch.Tensor  # [B] rows kept per user (min(k, length))
@@ -108,13 +108,14 @@ class ProgressiveFocus(AttentionPolicy):
         dec, opts, T = self.decoder, self.options, self.decoder.num_steps
         # one shared ranking from the beams' pooled weights over every row's key
         K = self.kv(t)[0] if dec.shared_kv_projection else dec.project_step(self.states, t, "k")
-        order, self.kept_len = ops.pfa_select(q, K, self.lengths, beam_weights(beam_lp), opts.k)  # [B, k], [B]
-        # the kept rows of this and every later step, gathered once into contiguous memory
+        # the kept rows of this and every later step, gathered once into contiguous memory by the
+        # selecting call itself (one launch on a GPU): K and V, or the states
+        rows = tuple(self.kv(t)) if dec.shared_kv_projection else (self.states,)
+        kept, self.kept_len = ops.pfa_select_rows(q, K, self.lengths, beam_weights(beam_lp), opts.k, rows)
         if dec.shared_kv_projection:
-            pair = (ops.gather_rows(K, order), ops.gather_rows(self.kv(t)[1], order))
-            self.kept = dict.fromkeys(range(t, T), pair)
+            self.kept = dict.fromkeys(range(t, T), kept)  # (K, V) [B, k, H, dh] each
         else:
-            kept_states = ops.gather_rows(self.states, order)  # [B, k, D]
+            kept_states = kept[0]  # [B, k, D]
             # (step u reads only its first k_u rows: project just those; k_s = k)
             self.kept = {u: dec.project_step(kept_states[:, : opts.budget(u)], u) for u in range(t, T)}
 

@@ -14,5 +14,6 @@ from backend_src.ops.dispatch import (  # noqa: F401
     gather_rows,
     hstu_attention,
     pfa_select,
+    pfa_select_rows,
 )
 from backend_src.ops.reference import time_bucket, time_bucket_thresholds  # noqa: F401

@@ -57,7 +57,9 @@ def _dispatch(name: str):
 
     @functools.wraps(ref)
     def op(*args, **kwargs):
-        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        # (the tensors of a tuple argument count too: the rows pfa_select_rows gathers)
+        tensors = [t for a in args for t in (a if isinstance(a, (tuple, list)) else (a,))
+                   if isinstance(t, torch.Tensor)]
         # The kernels are forward-only: training (autograd) always takes the reference.
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
         if not needs_grad and backend_for(*tensors) == "triton":
@@ -73,5 +75,6 @@ hstu_attention = _dispatch("hstu_attention")
 attention_probs = _dispatch("attention_probs")
 decode_attention = _dispatch("decode_attention")
 pfa_select = _dispatch("pfa_select")
+pfa_select_rows = _dispatch("pfa_select_rows")
 dynamic_topk_attention = _dispatch("dynamic_topk_attention")
 gather_rows = _dispatch("gather_rows")

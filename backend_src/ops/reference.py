@@ -190,6 +190,15 @@ def pfa_select(
     return order, torch.clamp(lengths, max=keep)
 
 
+def pfa_select_rows(q, k, lengths, beam_weights, keep: int, rows: tuple):
+    """pfa_select, then gather_rows of each tensor of `rows` ([B, N, ...]) by its order: the kept
+    rows best first (past kept_lengths[b]: padding). The decoder gathers what it attends over
+    (the states, or K and V) in the same call as the selection, which a GPU fuses into one launch.
+    Returns (tuple of contiguous [B, keep', ...], kept_lengths [B])."""
+    order, kept_lengths = pfa_select(q, k, lengths, beam_weights, keep)
+    return tuple(gather_rows(x, order) for x in rows), kept_lengths
+
+
 def dynamic_topk_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, keep: int, return_indices: bool = False
 ):

@@ -2,7 +2,8 @@
 
 Every wrapper takes the tensors as the reference does (any strides; fp32, fp16, bf16 on GPUs;
 fp32 accumulation; output in the input dtype) and launches ``@triton.jit`` kernels for the heavy work.
-Torch glue is limited to allocation and the top-k over a score matrix (``torch.topk``).
+Torch glue is limited to allocation and the top-k over a score matrix (``torch.topk``; PFA's selection
+with the gather of its kept rows ranks in a kernel instead).
 Calls needing gradients (the kernels are forward-only), other dtypes (float64) and empty inputs
 are handed to the reference.
 
@@ -474,6 +475,127 @@ def gather_rows(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------------------------
+# PFA selection fused with the gather of the kept rows
+# --------------------------------------------------------------------------------------------
+# One program sorts a user's scores in registers: N_POW2 64-bit keys over its threads. Longer
+# histories take the unfused composition (scores kernel, torch.topk, gather_rows).
+SELECT_ROWS_MAX_N = 8192
+
+
+def _select_rows_warps(n_pow2: int) -> int:
+    # at most 8 keys (16 registers) a thread for the sort up to 4096 rows, 16 at 8192 (ptxas: no
+    # spills, tests/test_kernels_compile.py); the warps also keep more row copies in flight
+    return max(4, min(16, n_pow2 // 256))
+
+
+@triton.jit
+def _copy_kept_rows(x_ptr, o_ptr, idx_row, si_j, b, KEEP, F,
+                    sx_b, sx_n, sx_f, so_b, so_j,
+                    BLOCK_J: tl.constexpr, BLOCK_F: tl.constexpr):
+    """o[b, j] = x[b, order[b, j]] for j < KEEP (contiguous feature dim in o)."""
+    for j0 in range(0, KEEP, BLOCK_J):
+        offs_j = j0 + tl.arange(0, BLOCK_J)
+        j_mask = offs_j < KEEP
+        rows = tl.load(idx_row + offs_j * si_j, mask=j_mask, other=0)
+        for f0 in range(0, F, BLOCK_F):
+            offs_f = f0 + tl.arange(0, BLOCK_F)
+            mask = j_mask[:, None] & (offs_f < F)[None, :]
+            x = tl.load(x_ptr + b * sx_b + rows[:, None] * sx_n + offs_f[None, :] * sx_f, mask=mask, other=0)
+            tl.store(o_ptr + b * so_b + offs_j[:, None] * so_j + offs_f[None, :], x, mask=mask)
+
+
+@triton.jit
+def _pfa_select_rows_kernel(
+    s_ptr, idx_ptr, x_ptr, xo_ptr, y_ptr, yo_ptr,
+    N, KEEP, FX, FY,
+    ss_b, ss_n,
+    si_b, si_j,
+    sx_b, sx_n, sx_f, sxo_b, sxo_j,
+    sy_b, sy_n, sy_f, syo_b, syo_j,
+    N_POW2: tl.constexpr, KEEP_POW2: tl.constexpr, HAS_Y: tl.constexpr,
+    BLOCK_J: tl.constexpr, BLOCK_FX: tl.constexpr, BLOCK_FY: tl.constexpr,
+):
+    """order[b] = the KEEP rows of largest score s[b, :N], best first (ties: lower row first);
+    then xo[b, j] = x[b, order[b, j]] (and yo from y with HAS_Y). One program per user.
+
+    Each row is one 64-bit key: the score's float bits made order-preserving as a signed int32
+    (negative floats get their magnitude bits flipped) in the high half, N_POW2 - 1 - row in the
+    low half, so one descending integer top-k ranks by score, then by lower row. Padding rows
+    (n >= N) score -inf and rank after every real row: the first min(KEEP, N) entries are rows < N."""
+    b = tl.program_id(0).to(tl.int64)
+    offs_n = tl.arange(0, N_POW2)
+    s = tl.load(s_ptr + b * ss_b + offs_n * ss_n, mask=offs_n < N, other=float("-inf"))
+    bits = s.to(tl.int32, bitcast=True)
+    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    packed = (key.to(tl.int64) << 32) | (N_POW2 - 1 - offs_n).to(tl.int64)
+    top = tl.topk(packed, KEEP_POW2)  # [KEEP_POW2], descending
+    rows = (N_POW2 - 1) - top.to(tl.int32)  # truncation keeps the low half
+    offs_j = tl.arange(0, KEEP_POW2)
+    idx_row = idx_ptr + b * si_b
+    tl.store(idx_row + offs_j * si_j, rows.to(tl.int64), mask=offs_j < KEEP)
+    # the order is read back below in the copy's own layout, by other threads of this program
+    tl.debug_barrier()
+    _copy_kept_rows(x_ptr, xo_ptr, idx_row, si_j, b, KEEP, FX, sx_b, sx_n, sx_f, sxo_b, sxo_j, BLOCK_J, BLOCK_FX)
+    if HAS_Y:
+        _copy_kept_rows(y_ptr, yo_ptr, idx_row, si_j, b, KEEP, FY, sy_b, sy_n, sy_f, syo_b, syo_j, BLOCK_J, BLOCK_FY)
+
+
+def _rows_view(x: torch.Tensor):
+    """x [B, N, ...] -> [B, N, F] (bool as uint8: the kernel copies bytes)."""
+    B, N = x.shape[:2]
+    xf = x.reshape(B, N, math.prod(x.shape[2:]))  # a view whenever the trailing dims merge
+    return xf.view(torch.uint8) if xf.dtype == torch.bool else xf
+
+
+def _select_rows(scores: torch.Tensor, keep: int, rows: tuple) -> tuple:
+    """scores [B, N] fp32, rows: tensors [B, N, ...] -> (order [B, keep], the rows of each at that
+    order, contiguous [B, keep, ...]). order: the top `keep` (<= N) rows by score, best first, ties
+    to the lower row. The selecting kernel copies the first two tensors' rows, gather_rows any more."""
+    B, N = scores.shape
+    order = torch.empty((B, keep), device=scores.device, dtype=torch.int64)
+    flat = [_rows_view(x) for x in rows[:2]]
+    outs = [torch.empty((B, keep, xf.shape[2]), device=xf.device, dtype=xf.dtype) for xf in flat]
+    x, xo = flat[0], outs[0]
+    y, yo = (flat[1], outs[1]) if len(flat) > 1 else (x, xo)  # one tensor: y is x, never read (HAS_Y)
+    n_pow2 = _pow2(N)
+    block_fx, block_fy = _pow2(x.shape[2], 16, 512), _pow2(y.shape[2], 16, 512)
+    _pfa_select_rows_kernel[(B,)](
+        scores, order, x, xo, y, yo,
+        N, keep, x.shape[2], y.shape[2],
+        *scores.stride(), *order.stride(),
+        *x.stride(), xo.stride(0), xo.stride(1), *y.stride(), yo.stride(0), yo.stride(1),
+        N_POW2=n_pow2, KEEP_POW2=min(_pow2(keep), n_pow2), HAS_Y=len(flat) > 1,
+        BLOCK_J=max(1, 4096 // max(block_fx, block_fy)), BLOCK_FX=block_fx, BLOCK_FY=block_fy,
+        num_warps=_select_rows_warps(n_pow2),
+    )
+    kept = [o.view(x.dtype).reshape(B, keep, *x.shape[2:]) for o, x in zip(outs, rows)]
+    kept += [gather_rows(x, order) for x in rows[2:]]
+    return order, tuple(kept)
+
+
+def pfa_select_rows(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, beam_weights: torch.Tensor,
+                    keep: int, rows: tuple):
+    """pfa_select, then gather_rows of each tensor of `rows` ([B, N, ...]) by its order.
+    Returns (the kept rows of each, contiguous [B, keep', ...]; kept_lengths [B]).
+
+    After the pooled-scores kernel, one program per user takes its top keep' rows (a bitonic top-k
+    of its N scores in registers) and copies those rows of the first two tensors: one launch
+    instead of torch.topk and a gather launch per tensor. Histories longer than
+    SELECT_ROWS_MAX_N rows, and rows that need gradients, take the unfused composition."""
+    rows = tuple(rows)
+    if _use_reference(q, k, beam_weights) or not rows:
+        return reference.pfa_select_rows(q, k, lengths, beam_weights, keep, rows)
+    N = k.shape[1]
+    if N > SELECT_ROWS_MAX_N or keep < 1 or (torch.is_grad_enabled() and any(x.requires_grad for x in rows)):
+        order, kept = pfa_select(q, k, lengths, beam_weights, keep)
+        return tuple(gather_rows(x, order) for x in rows), kept
+    keep = min(keep, N)
+    scores = _pfa_scores(q, k, lengths, beam_weights)  # [B, N] fp32, -inf past the length
+    _, kept_rows = _select_rows(scores, keep, rows)
+    return kept_rows, torch.clamp(lengths, max=keep)
+
+
+# --------------------------------------------------------------------------------------------
 # HSTU pointwise attention (the HSTU paper) with in-kernel relative bias and the M-FALCON mask
 # --------------------------------------------------------------------------------------------
 _THRESHOLDS: dict = {}
@@ -735,3 +857,4 @@ def _launch_hstu(q, k, v, q_pos, k_pos, q_ts, k_ts, num_history, q_self, pos_bia
         DOT_PRECISION=_dot_precision(q), BIASES=biases, TIME_STEPS=time_steps, num_warps=warps, num_stages=stages,
     )
     return out
+
