@@ -241,6 +241,18 @@ def test_compiles_for_sm90(kernel, case, dtype, request):
         assert not error, error
 
 
+def _usage_or_skip(request, key: str, compute) -> dict:
+    """ptxas' register and spill counts: computed here, or read from the fresh-process run."""
+    if IN_PROCESS:
+        usage = compute()
+    else:
+        usage = request.getfixturevalue("fresh_process_results")[key]
+        assert not isinstance(usage, str), usage
+    if not usage:
+        pytest.skip("this Triton cannot print ptxas' log (triton.knobs.nvidia.dump_ptxas_log)")
+    return usage
+
+
 @pytest.mark.parametrize("dtype,d", _hstu_usage_cases())
 def test_hstu_tile_registers(dtype, d, request):
     """ptxas counts of the op's HSTU tile: fp32 must not spill (its products run on the FMA units
@@ -248,13 +260,7 @@ def test_hstu_tile_registers(dtype, d, request):
     tensor-core tiles with 3 pipeline stages sit at the 255-register limit: 436 / 808 bytes before
     the per-row time path, 684-1260 / 824-1512 with it), bounded here so that a change which makes it
     spill much more fails."""
-    if IN_PROCESS:
-        usage = _hstu_usage(dtype, d)
-    else:
-        usage = request.getfixturevalue("fresh_process_results")[f"usage/{dtype}/{d}"]
-        assert not isinstance(usage, str), usage
-    if not usage:
-        pytest.skip("this Triton cannot print ptxas' log (triton.knobs.nvidia.dump_ptxas_log)")
+    usage = _usage_or_skip(request, f"usage/{dtype}/{d}", lambda: _hstu_usage(dtype, d))
     print(f"HSTU {dtype} d{d} tile {usage['tile']}: {usage['registers']} registers, "
           f"{usage['spill_stores']} / {usage['spill_loads']} bytes spill stores / loads")
     assert 0 < usage["registers"] <= 255
@@ -268,13 +274,8 @@ def test_hstu_tile_registers(dtype, d, request):
 def test_select_rows_registers(case, request):
     """ptxas counts of PFA's fused selection: a user's keys are sorted in registers, so the warps
     per history length (triton_kernels._select_rows_warps) must keep them there: no spills."""
-    if IN_PROCESS:
-        usage = _ptxas_usage("_pfa_select_rows_kernel", case, "fp16")
-    else:
-        usage = request.getfixturevalue("fresh_process_results")[f"usage/select_rows/{case}"]
-        assert not isinstance(usage, str), usage
-    if not usage:
-        pytest.skip("this Triton cannot print ptxas' log (triton.knobs.nvidia.dump_ptxas_log)")
+    usage = _usage_or_skip(request, f"usage/select_rows/{case}",
+                           lambda: _ptxas_usage("_pfa_select_rows_kernel", case, "fp16"))
     print(f"select rows {case}: {usage['registers']} registers, "
           f"{usage['spill_stores']} / {usage['spill_loads']} bytes spill stores / loads")
     assert 0 < usage["registers"] <= 255
