@@ -70,14 +70,17 @@ class TrainState:
     history: list = field(default_factory=list)
 
 
-def build_model(data, cfg: ModelConfig, embedding_dim: int = 64, seed: int = 0, end_offset: int = 2) -> GenerativeRecommender:
-    """A fresh model whose semantic IDs are fit on each user's events but the last end_offset.
+def build_model(data, cfg: ModelConfig, embedding_dim: int = 64, seed: int = 0, end_offset: int = 2,
+                item_embeddings: str = "auto") -> GenerativeRecommender:
+    """A fresh model whose semantic IDs are fit on each user's events but the last end_offset,
+    from the item embeddings of `item_embeddings` (semantic_ids.build_item_embeddings' sources).
 
     Data parallel: rank 0 builds the semantic IDs and broadcasts them, so every rank trains on the
     same codes whatever the numerics of each process (the weights are then seeded alike)."""
     codebook = None
     if dist.is_main():
-        codebook = SemanticIdCodebook.build(data, cfg, dim=embedding_dim, seed=seed, end_offset=end_offset)
+        codebook = SemanticIdCodebook.build(data, cfg, dim=embedding_dim, seed=seed, end_offset=end_offset,
+                                            sources=item_embeddings)
     if dist.is_distributed():
         codes = dist.broadcast_object(codebook.codes if codebook is not None else None)
         codebook = SemanticIdCodebook.from_codes(codes)

@@ -42,6 +42,7 @@ from backend_src.data.loaders import load_dataset
 from backend_src.evaluation import evaluate
 from backend_src.metrics import METRIC_NAMES
 from backend_src.model.recommender import GenerativeRecommender
+from backend_src.model.semantic_ids import ITEM_EMBEDDING_SOURCES
 from backend_src.results import write_result
 from backend_src.training import build_model, train
 from export.evaluate import fusion_weights, result_rows, tune_fusion
@@ -84,6 +85,9 @@ def parse_args(argv=None):
     p.add_argument("--ranker-negatives", type=int, default=64, help="sampled negatives per ranker positive")
     p.add_argument("--ranker-hard-fraction", type=float, default=0.5,
                    help="share of the ranker negatives drawn among items sharing the positive's first code")
+    p.add_argument("--item-embeddings", choices=ITEM_EMBEDDING_SOURCES, default="auto",
+                   help="what the semantic IDs are fit on: auto = the item text where the data has it, else "
+                        "co-occurrence in the training events; text+collaborative = both side by side")
     p.add_argument("--code-loss", choices=["all", "valid"], default="all",
                    help="each level's cross-entropy over all codes, or only those continuing the target's prefix "
                         "(the codes constrained beam search normalizes over)")
@@ -162,7 +166,7 @@ def run(args, device):
             ranker_hard_fraction=args.ranker_hard_fraction,
             dense_temperature=args.dense_temperature,
         )
-        model = build_model(data, cfg, seed=args.seed, end_offset=tcfg.end_offset)
+        model = build_model(data, cfg, seed=args.seed, end_offset=tcfg.end_offset, item_embeddings=args.item_embeddings)
     if args.fusion_weight is not None:
         cfg.rank_fusion_weight, cfg.rank_fusion_weight_seen_excluded = args.fusion_weight
     say(f"semantic IDs: codebook sizes {cfg.codebook_sizes}")
@@ -200,7 +204,7 @@ def run(args, device):
     write_result(
         out, rows, config=cfg.to_dict(), train=vars(tcfg), train_seconds=state.seconds, epochs_run=state.epoch + 1,
         best_valid=state.best_metric, timing=test["timing"], processes=world, train_history=state.history,
-        resumed_from=args.resume,
+        resumed_from=args.resume, item_embeddings=args.item_embeddings,
     )
     for r in rows:
         print(f"{r['model']:>18} seen_excluded={r['seen_excluded']!s:5} "

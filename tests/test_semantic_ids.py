@@ -168,5 +168,13 @@ def test_build_item_embeddings_and_codebook_build():
     data.item_text = {i: f"item number {i} {'red' if i < 4 else 'blue'}" for i in range(1, 7)}
     cb = SemanticIdCodebook.build(data, SimpleNamespace(codebook_sizes=(2, 2, 2, 1)), dim=4, iters=5)
     assert cb.num_items == 6
+    # text where it exists (auto), or beside the co-occurrence embeddings, each half the weight
+    data.item_attributes = None
+    text, collab = (build_item_embeddings(data, dim=4, sources=s) for s in ("text", "collaborative"))
+    assert torch.equal(build_item_embeddings(data, dim=4), text)
+    both = build_item_embeddings(data, dim=4, sources="text+collaborative")
+    assert torch.allclose(both, torch.cat([text, collab], 1) / 2**0.5, atol=1e-3)
+    with pytest.raises(ValueError, match="no item text"):
+        build_item_embeddings(SimpleNamespace(**{**vars(data), "item_text": None}), dim=4, sources="text")
     assert len({tuple(r) for r in cb.codes[1:].tolist()}) == 6
     assert torch.equal(cb.items_of_codes(cb.codes[1:]), torch.arange(1, 7))

@@ -225,11 +225,17 @@ def _unit_rows(x: torch.Tensor) -> torch.Tensor:
     return x / x.norm(dim=1, keepdim=True).clamp_min(1e-12)
 
 
+ITEM_EMBEDDING_SOURCES = ("auto", "text", "collaborative", "text+collaborative")
+
+
 def build_item_embeddings(
-    data, dim: int = 64, window: int = 5, attribute_weight: float = 0.5, seed: int = 0, end_offset: int = 2
+    data, dim: int = 64, window: int = 5, attribute_weight: float = 0.5, seed: int = 0, end_offset: int = 2,
+    sources: str = "auto",
 ) -> torch.Tensor:
-    """Item embeddings [I, D'] for items 1..I: text when data.item_text exists, otherwise
-    collaborative; attribute features (weighted) appended when data.item_attributes exists.
+    """Item embeddings [I, D'] for items 1..I from `sources`: "auto" is text when data.item_text
+    exists, otherwise collaborative; "text+collaborative" puts both side by side, each unit-norm
+    and weighted 1/sqrt(2) (what an item says and what it is bought with); attribute features
+    (weighted) appended when data.item_attributes exists.
 
     `data` is any object with offsets, items, num_items, item_text, item_attributes. The
     collaborative embeddings count co-occurrences in training events only: each user's last
@@ -238,14 +244,22 @@ def build_item_embeddings(
     A tiny seeded jitter separates items with identical embeddings (e.g. items never seen
     together with others) so k-means does not pile them all into one collision group.
     """
+    if sources not in ITEM_EMBEDDING_SOURCES:
+        raise ValueError(f"sources must be one of {ITEM_EMBEDDING_SOURCES}, got {sources!r}")
     num_items = int(data.num_items)
     item_text = getattr(data, "item_text", None)
-    if item_text:
+    if sources == "auto":
+        sources = "text" if item_text else "collaborative"
+    if "text" in sources and not item_text:
+        raise ValueError(f"item embeddings from {sources!r}: this data set has no item text")
+    parts = []
+    if "text" in sources:
         texts = [item_text.get(i, "") or "" for i in range(1, num_items + 1)]
-        emb = _unit_rows(text_embeddings(texts, dim, seed))
-    else:
+        parts.append(_unit_rows(text_embeddings(texts, dim, seed)))
+    if "collaborative" in sources:
         offsets, items = training_events(data, end_offset)
-        emb = _unit_rows(collaborative_embeddings(offsets, items, num_items, dim, window, seed))
+        parts.append(_unit_rows(collaborative_embeddings(offsets, items, num_items, dim, window, seed)))
+    emb = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1) / math.sqrt(len(parts))
     attrs = getattr(data, "item_attributes", None)
     if attrs:
         feats = _unit_rows(attribute_features(attrs, num_items, dim, seed))
@@ -339,14 +353,14 @@ class SemanticIdCodebook(nn.Module):
     @classmethod
     def build(
         cls, data, cfg=None, dim: int = 64, iters: int = 25, seed: int = 0, embeddings: torch.Tensor | None = None,
-        end_offset: int = 2,
+        end_offset: int = 2, sources: str = "auto",
     ) -> "SemanticIdCodebook":
         """Embeddings of the items of `data` (fit on each user's events but the last end_offset)
         -> 3 residual k-means levels (sizes from cfg.codebook_sizes[:3], default 256 each)
         -> collision code -> codebook."""
         sizes = tuple(cfg.codebook_sizes[:3]) if cfg is not None else (256, 256, 256)
         if embeddings is None:
-            embeddings = build_item_embeddings(data, dim=dim, seed=seed, end_offset=end_offset)
+            embeddings = build_item_embeddings(data, dim=dim, seed=seed, end_offset=end_offset, sources=sources)
         codes3 = residual_kmeans(embeddings, sizes, iters=iters, seed=seed)
         return cls(assign_collision_codes(codes3))
 
