@@ -1,0 +1,89 @@
+"""Quality over three seeds, per data set: our model (beam order and served order) against SASRec fit the
+same way, beside published anchors, from the result files in perf/results. Run from the repository root:
+    python -m perf.experiments.quality_seeds
+writes perf/results/<data>_seeds.md (a table per data set) and perf/results/quality_summary.json (one row per
+data set, order and seen-item policy: the means over the seeds).
+
+- amazon-beauty: the final fits (`make train-beauty-refit`, `make baselines-beauty`; seeds 1 and 2 with `--seed`).
+- amazon-scientific: the validation-run fits, not refit (the commands in docs/results.md, "Amazon Scientific").
+"""
+import argparse
+import json
+
+from backend_src.results import write_result
+from perf.common import RESULTS_DIR
+
+METRICS = ("recall@5", "ndcg@5", "recall@10", "ndcg@10")
+SEEDS = ("", "_seed1", "_seed2")
+ORDERS = {  # summary order -> (row label, model name in the file)
+    "retrieval": ("ours: generative retrieval (beam order)", "hstu-retrieval"),
+    "served": ("ours: after ranking, fused (served order)", "hstu-fused"),
+    "sasrec": ("SASRec, our pipeline, full softmax", "sasrec"),
+}
+DATASETS = {  # data set -> (what was fit, our result file stem, SASRec's, anchors by seen_excluded)
+    "amazon-beauty": (
+        "final fit", "quality_beauty_refit", "baseline_sasrec_beauty_refit",
+        {False: {"TIGER (published)": (0.0454, 0.0321, 0.0648, 0.0384)},
+         True: {"HSTU public code, 70 epochs (anchor; R@10 / N@10 only)": (None, None, 0.098, 0.057)}},
+    ),
+    "amazon-scientific": ("validation-run fit", "quality_scientific", "baseline_sasrec_scientific", {False: {}, True: {}}),
+}
+
+
+def values(stem: str, model: str, excluded: bool) -> list[tuple]:
+    """One tuple of METRICS per seed."""
+    out = []
+    for seed in SEEDS:
+        rows = json.loads((RESULTS_DIR / f"{stem}{seed}.json").read_text())["rows"]
+        (row,) = [r for r in rows if r["model"] == model and r["seen_excluded"] == excluded]
+        out.append(tuple(row[m] for m in METRICS))
+    return out
+
+
+def cell(v):
+    return "" if v is None else f"{v:.4f}"
+
+
+def summarize(data: str) -> tuple[str, list[dict]]:
+    """The Markdown table of one data set and its summary rows."""
+    fit, ours, sasrec, anchors = DATASETS[data]
+    lines = [f"| {fit}, mean of {len(SEEDS)} seeds (min-max) | seen items | " + " | ".join(METRICS) + " |",
+             "|---|---|" + "---|" * len(METRICS)]
+    means, rows = {}, []
+    for excluded in (False, True):
+        policy = "excluded" if excluded else "not excluded"
+        for label, vals in anchors[excluded].items():
+            lines.append(f"| {label} | {policy} | " + " | ".join(cell(v) for v in vals) + " |")
+        for order, (label, model) in ORDERS.items():
+            cols = list(zip(*values(sasrec if order == "sasrec" else ours, model, excluded)))
+            means[order, excluded] = [sum(c) / len(c) for c in cols]
+            lines.append(f"| {label} | {policy} | " + " | ".join(
+                f"{sum(c) / len(c):.4f} ({min(c):.4f}-{max(c):.4f})" for c in cols) + " |")
+            rows.append({"dataset": data, "order": order, "seen": policy.split()[-1],
+                         **dict(zip(("recall5", "ndcg5", "recall10", "ndcg10"), means[order, excluded])),
+                         "seeds": len(SEEDS), "fit": fit})
+    lines.append("")
+    for order in ("retrieval", "served"):
+        for excluded in (False, True):
+            diff = [f"{round(100 * (a / b - 1), 1) + 0.0:+.1f}%"  # + 0.0: no "-0.0"
+                    for a, b in zip(means[order, excluded], means["sasrec", excluded])]
+            lines.append(f"- {ORDERS[order][0]}, seen items {'excluded' if excluded else 'not excluded'}, "
+                         "against SASRec: " + " / ".join(diff))
+    return "\n".join(lines) + "\n", rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--data", nargs="+", default=list(DATASETS), choices=list(DATASETS))
+    args = ap.parse_args()
+    summary = []
+    for data in args.data:
+        table, rows = summarize(data)
+        print(f"## {data}\n\n{table}")
+        (RESULTS_DIR / f"{data.split('-')[-1]}_seeds.md").write_text(table)
+        summary += rows
+    write_result(RESULTS_DIR / "quality_summary.json", summary)
+
+
+if __name__ == "__main__":
+    main()
