@@ -250,13 +250,14 @@ def build_item_embeddings(
     item_text = getattr(data, "item_text", None)
     if sources == "auto":
         sources = "text" if item_text else "collaborative"
-    if "text" in sources and not item_text:
+    wanted = sources.split("+")
+    if "text" in wanted and not item_text:
         raise ValueError(f"item embeddings from {sources!r}: this data set has no item text")
     parts = []
-    if "text" in sources:
+    if "text" in wanted:
         texts = [item_text.get(i, "") or "" for i in range(1, num_items + 1)]
         parts.append(_unit_rows(text_embeddings(texts, dim, seed)))
-    if "collaborative" in sources:
+    if "collaborative" in wanted:
         offsets, items = training_events(data, end_offset)
         parts.append(_unit_rows(collaborative_embeddings(offsets, items, num_items, dim, window, seed)))
     emb = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1) / math.sqrt(len(parts))

@@ -857,4 +857,3 @@ def _launch_hstu(q, k, v, q_pos, k_pos, q_ts, k_ts, num_history, q_self, pos_bia
         DOT_PRECISION=_dot_precision(q), BIASES=biases, TIME_STEPS=time_steps, num_warps=warps, num_stages=stages,
     )
     return out
-

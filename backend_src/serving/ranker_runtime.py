@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from backend_src.config import RANKER_MICROBATCH
+from backend_src.config import RANKER_MICROBATCH, DecodeOptions
 from backend_src.model.hstu import HistoryCache
 from backend_src.model.ranker import MFalconRanker
 from backend_src.ops.reference import row_mask
@@ -202,7 +202,7 @@ class RankerRuntime:
 
     @classmethod
     def from_version_dir(cls, path, model: nn.Module | None = None, backend: str = "auto",
-                         candidates: int = 100) -> "RankerRuntime":
+                         candidates: int = DecodeOptions.beam_width) -> "RankerRuntime":
         """The fastest backend a model version supports here: tensorrt (ranker.plan, a CUDA
         GPU and an importable tensorrt); else, with ranker.onnx, ONNX Runtime and torch routed by
         history length (fastest_by_history, timed on calls of `candidates` candidates: the
