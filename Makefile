@@ -15,7 +15,7 @@ export MALLOC_MMAP_THRESHOLD_ ?= 33554432
 export MALLOC_TRIM_THRESHOLD_ ?= 4294967296
 export MALLOC_TOP_PAD_ ?= 268435456
 
-.PHONY: setup test test-fast demo bench bench-offline bench-served bench-sessions bench-scaleout bench-gpu check-triton36 train-beauty train-beauty-refit baselines-beauty train-ml1m ablation-ml1m clean
+.PHONY: setup test test-fast demo bench bench-offline bench-served bench-sessions bench-scaleout bench-gpu check-triton36 train-beauty train-beauty-refit train-scientific baselines-beauty train-ml1m ablation-ml1m clean
 
 ## setup: the pinned environment (torch 2.13.0 CPU build, Triton server 2.51 from nvidia-pytriton)
 setup: .venv/.installed
@@ -90,20 +90,29 @@ check-triton36: setup
 bench-gpu:
 	bash perf/gpu_run.sh perf/results/gpu
 
-## the README's quality results (long runs)
-BEAUTY_RECIPE := --data amazon-beauty --minutes 28 --lr 2e-3 --lr-schedule cosine --weight-decay 0.1 --d-model 96 \
-	--dropout 0.3 --valid-users 4000 --dense-negatives 1024 --ranker-negatives 32
+## the README's quality results (long runs). `python -m export.train --data NAME` trains the recipe
+## (export/train.py RECIPE: 40 epochs, capped at 30 minutes; any flag overrides its setting)
 
 ## train-beauty: the recipe, its epoch and fusion weight chosen on the validation split
 train-beauty: setup
-	$(PY) -m export.train $(BEAUTY_RECIPE) --out $(RUNS)/beauty/model.pt
+	$(PY) -m export.train --data amazon-beauty --out $(RUNS)/beauty/model.pt
 	$(PY) -m export.evaluate --checkpoint $(RUNS)/beauty/model.pt --data amazon-beauty --out perf/results/quality_beauty.json
 
 ## train-beauty-refit: the same recipe's final fit, trained on the validation targets too (after train-beauty)
 train-beauty-refit: setup $(RUNS)/beauty/model.pt
-	$(PY) -m export.train $(BEAUTY_RECIPE) --refit --fusion-weight $(RUNS)/beauty/model.pt --out $(RUNS)/beauty-refit/model.pt
+	$(PY) -m export.train --data amazon-beauty --refit --fusion-weight $(RUNS)/beauty/model.pt --out $(RUNS)/beauty-refit/model.pt
 	$(PY) -m export.evaluate --checkpoint $(RUNS)/beauty-refit/model.pt --data amazon-beauty \
 		--out perf/results/quality_beauty_refit.json
+
+## train-scientific: Amazon Scientific, the recipe and SASRec beside it, seeds 0-2 (seed 0 without a file suffix)
+train-scientific: setup
+	for s in 0 1 2; do sfx=$$([ $$s = 0 ] || echo _seed$$s); \
+		$(PY) -m export.train --data amazon-scientific --seed $$s --out $(RUNS)/scientific$$sfx/model.pt \
+			--results perf/results/quality_scientific$$sfx.json || exit 1; \
+		$(PY) -m export.baselines --data amazon-scientific --model sasrec --epochs 200 --minutes 28 --seed $$s \
+			--out perf/results/baseline_sasrec_scientific$$sfx.json || exit 1; \
+	done
+	$(PY) -m perf.experiments.quality_seeds
 
 ## baselines-beauty: popularity; SASRec, its epoch chosen on validation; then its final fit for that many epochs
 SASREC_BEAUTY := perf/results/baseline_sasrec_beauty_28min.json

@@ -114,6 +114,11 @@ class TrainConfig:
     # the codes each level's cross-entropy normalizes over: "all" C_t codes, or "valid": only
     # those continuing the target's prefix to some item, the set beam search normalizes over
     code_loss: str = "all"
+    # validation after every epoch once this share of the run is done (by epochs or by time,
+    # whichever is further); before it, after every `validate_every`-th epoch only: with a cosine
+    # schedule the best epoch comes late, and early checks only draw the curve
+    validate_from: float = 0.5
+    validate_every: int = 5
     seed: int = 0
     extra: dict = field(default_factory=dict)
 

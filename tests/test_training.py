@@ -122,3 +122,104 @@ def test_level_prefixes_follow_the_codes_and_end_at_the_item():
     assert p[:, 0].tolist() == [0, 0, 0]  # the root
     assert cb.items_of(p[:, -1]).tolist() == [2, 3, 0]  # (1, 0, ...) is no item
     assert p[2, 2].item() == -1  # it leaves every item at level 1
+
+
+def test_byte_mask_dropout_keeps_the_expectation_at_the_rounded_rate():
+    """Kept elements are scaled by 256 / (256 - round(256 p)), dropped ones are 0, the drop rate is
+    round(256 p) / 256; the mask follows torch's seed; eval mode and p = 0 pass the input through."""
+    import torch
+
+    from backend_src.model.dropout import Dropout
+
+    x = torch.ones(400_000)
+    drop = Dropout(0.3).train()
+    torch.manual_seed(0)
+    y = drop(x)
+    kept = y != 0
+    assert abs((1 - kept.float().mean()) - 77 / 256) < 0.003
+    assert torch.allclose(y[kept], torch.full_like(y[kept], 256 / 179))
+    assert abs(float(y.mean()) - 1.0) < 0.01
+    torch.manual_seed(0)
+    assert torch.equal(drop(x), y)
+    assert not torch.equal(drop(x), y)  # the next call draws a new mask
+    assert torch.equal(drop.eval()(x), x) and torch.equal(Dropout(0.0).train()(x), x)
+    assert torch.equal(Dropout(1.0).train()(x), torch.zeros_like(x))
+    # the gradient is the mask: the kept elements' scale, 0 elsewhere
+    z = torch.randn(3, 1000, requires_grad=True)
+    out = Dropout(0.5).train()(z)
+    out.sum().backward()
+    assert torch.equal(z.grad, (out != 0).float() * 2.0)
+    with pytest.raises(ValueError, match="probability"):
+        Dropout(1.5)
+
+
+def test_validation_runs_late_in_the_run_and_on_every_fifth_epoch_before():
+    from backend_src.training import validation_due
+
+    tcfg = TrainConfig(epochs=55)
+    due = [e for e in range(55) if validation_due(tcfg, e, (e + 1) / 55, last=e == 54)]
+    assert due == [4, 9, 14, 19, 24] + list(range(27, 55))
+    assert validation_due(tcfg, 0, 0.01, last=True)  # a run cut short by its time cap ends validated
+    assert validation_due(tcfg, 2, 0.6, last=False)  # the time cap's share counts too
+
+
+def test_the_kept_checkpoint_is_the_best_validated_epoch(tmp_path):
+    """Epochs without a validation must not overwrite the best checkpoint."""
+    import torch
+
+    from backend_src.config import ModelConfig
+    from backend_src.data.loaders import load_dataset
+    from backend_src.model.recommender import GenerativeRecommender
+    from backend_src.training import build_model, train
+
+    data = load_dataset("synthetic:users=60,items=40,clusters=4,seed=0")
+    cfg = ModelConfig(num_items=data.num_items, d_model=16, num_layers=1, num_heads=2, max_seq_len=16,
+                      codebook_sizes=(4, 4, 4, 1))
+    model = build_model(data, cfg, embedding_dim=8)
+    metrics = iter([0.5, 0.2, 0.3])  # epochs 1, 3 and 4 (validate_every 2, the last)
+    seen = []
+
+    def evaluate_fn(m):
+        seen.append(len(seen))
+        return next(metrics)
+
+    ckpt = tmp_path / "model.pt"
+    state = train(model, data, TrainConfig(epochs=5, batch_size=16, validate_every=2, validate_from=2.0),
+                  evaluate_fn=evaluate_fn, checkpoint_path=ckpt, log=lambda *a, **k: None)
+    assert len(seen) == 3
+    assert [h["epoch"] for h in state.history if "valid" in h] == [1, 3, 4]
+    assert GenerativeRecommender.load(ckpt).metadata["epoch"] == 1
+    assert state.best_metric == 0.5
+    assert torch.isfinite(torch.tensor([h["retrieval"] for h in state.history])).all()
+
+
+def test_the_recipe_fills_what_no_flag_gives():
+    """Any data set gets the recipe (history length by rule); the small benchmark data sets their
+    pinned configurations; a flag always wins."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from export import train as train_cli
+
+    def events(counts):
+        return SimpleNamespace(offsets=np.concatenate([[0], np.cumsum(counts)]))
+
+    assert train_cli.history_length(events([3] * 100)) == 50
+    assert train_cli.history_length(events([120] * 100)) == 150
+    assert train_cli.history_length(events([5] * 99 + [2000])) == 50  # the 99th percentile, not the longest
+    assert train_cli.history_length(events([2000] * 100)) == 512
+
+    args = train_cli.parse_args(["--data", "some/where/amazon-toys", "--lr", "1e-3"])
+    filled = train_cli.resolve_settings(args, events([7] * 100))
+    assert args.lr == 1e-3 and "lr" not in filled
+    recipe = train_cli.RECIPE
+    assert (args.epochs, args.minutes, args.d_model, args.max_len) == (recipe["epochs"], recipe["minutes"], 96, 50)
+    assert filled["lr_schedule"] == "cosine"
+
+    args = train_cli.parse_args(["--data", "ml-1m", "--minutes", "28"])
+    train_cli.resolve_settings(args, events([7] * 100))
+    assert (args.d_model, args.max_len, args.codebook, args.minutes) == (64, 512, (64, 64, 64), 28)
+    args = train_cli.parse_args(["--data", "amazon-beauty", "--minutes", "0"])
+    train_cli.resolve_settings(args, events([7] * 100))
+    assert args.minutes is None  # no time cap

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from backend_src.model.dropout import Dropout
 from backend_src.ops.reference import row_mask
 
 
@@ -39,7 +40,7 @@ class SemanticIdDecoder(nn.Module):
         self.o_proj = nn.ModuleList(nn.Linear(d, d) for _ in range(self.num_steps))
         self.mlp_norm = nn.ModuleList(nn.LayerNorm(d) for _ in range(self.num_steps))
         self.mlp = nn.ModuleList(
-            nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Dropout(cfg.dropout), nn.Linear(2 * d, d))
+            nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), Dropout(cfg.dropout), nn.Linear(2 * d, d))
             for _ in range(self.num_steps)
         )
         self.out_norm = nn.ModuleList(nn.LayerNorm(d) for _ in range(self.num_steps))

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from backend_src import ops
 from backend_src.config import ModelConfig
+from backend_src.model.dropout import Dropout
 from backend_src.ops.reference import row_mask
 
 
@@ -269,7 +270,7 @@ class HSTULayer(nn.Module):
         self.f1 = nn.Linear(D, 2 * H * self.dv + 2 * H * self.dqk)  # -> U, V, Q, K
         self.attn_norm = nn.LayerNorm(H * self.dv)
         self.f2 = nn.Linear(H * self.dv, D)
-        self.dropout = nn.Dropout(cfg.dropout)
+        self.dropout = Dropout(cfg.dropout)
         # rab^{p,t}: per-head bias by relative position (q_pos - k_pos) and log-bucketed |dt|
         self.pos_bias = nn.Parameter(torch.empty(H, cfg.max_seq_len).normal_(0.0, 0.02))
         self.time_bias = nn.Parameter(torch.empty(H, cfg.num_time_buckets).normal_(0.0, 0.02))
@@ -312,7 +313,7 @@ class HSTUEncoder(nn.Module):
         nn.init.trunc_normal_(self.action_embedding.weight, std=0.02)
         with torch.no_grad():
             self.item_embedding.weight[0].zero_()
-        self.input_dropout = nn.Dropout(cfg.dropout)
+        self.input_dropout = Dropout(cfg.dropout)
         self.layers = nn.ModuleList(HSTULayer(cfg) for _ in range(cfg.num_layers))
         self.final_norm = nn.LayerNorm(D)
         self.embed_scale = math.sqrt(D)
