@@ -62,6 +62,28 @@ def test_only_real_items(mode):
         assert len(set(row)) == len(row)
 
 
+@pytest.mark.parametrize("sizes", [(8, 6), (3, 2, 2, 2, 2), (2, 2, 2, 2, 2, 2, 2)])
+def test_semantic_ids_of_any_length_decode_and_load(sizes):
+    """3, 6 and 8 codes per item: the tables, a state-dict round trip into a placeholder of that
+    length, and constrained decoding that returns real items with codes of that length."""
+    import io
+
+    cb = _codebook(sizes=sizes)
+    L = len(sizes) + 1
+    assert cb.num_levels == L and len(cb.codebook_sizes) == L
+    buf = io.BytesIO()
+    torch.save(cb.state_dict(), buf)
+    buf.seek(0)
+    loaded = SemanticIdCodebook(num_levels=L)
+    loaded.load_state_dict(torch.load(buf))
+    assert torch.equal(loaded.items_of_codes(cb.codes[1:]), torch.arange(1, cb.num_items + 1))
+    dec = _decoder(loaded)
+    states, lengths = _history()
+    res = generate(dec, loaded, states, lengths, DecodeOptions(mode="pfa", beam_width=8, k=5, r=0.5))
+    assert res.codes.shape == (3, 8, L) and (res.item_ids > 0).all()
+    assert torch.equal(loaded.codes[res.item_ids], res.codes)
+
+
 def test_wide_beam_returns_every_item_once():
     cb = _codebook(n=40)
     dec = _decoder(cb)
@@ -179,7 +201,7 @@ def _item_codes(cb):
 
 def _slow_pfa(dec, cb, states, lengths, W, k, r, s):
     """Loop-based PFA decoding: per user, per beam, per step, written from the paper's formulas."""
-    T = 4
+    T = cb.num_levels
     K, V = dec.project_history(states)
     items = _item_codes(cb)
     prefixes = [set(c[:t] for c in items) for t in range(T + 1)]
@@ -233,7 +255,8 @@ def _slow_pfa(dec, cb, states, lengths, W, k, r, s):
 @pytest.mark.parametrize(
     "seed,s,k,r,sizes",
     [(0, 1, 5, 0.5, (4, 3, 3)), (1, 1, 3, 0.3, (4, 3, 3)), (2, 0, 6, 0.5, (4, 3, 3)), (3, 2, 4, 0.5, (4, 3, 3)),
-     (4, 1, 20, 1.0, (4, 3, 3)), (5, 1, 5, 0.5, SPARSE_SIZES)],
+     (4, 1, 20, 1.0, (4, 3, 3)), (5, 1, 5, 0.5, SPARSE_SIZES),
+     (6, 1, 5, 0.5, (8, 6)), (7, 2, 4, 0.5, (3, 2, 2, 2, 2)), (8, 3, 4, 0.5, (2, 2, 2, 2, 2, 2, 2))],
 )
 def test_pfa_matches_slow_reference(seed, s, k, r, sizes):
     cb = _codebook(n=60, seed=seed, sizes=sizes)

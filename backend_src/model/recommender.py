@@ -163,7 +163,8 @@ class GenerativeRecommender(nn.Module):
         cfg = ModelConfig.from_dict(blob["config"])
         stage = blob.get("stage")
         parts = STAGE_PARTS[stage] if stage else MODEL_PARTS
-        model = cls(cfg, SemanticIdCodebook(), blob["item_ids"], parts=parts)  # tables take the stored shapes
+        # tables take the stored shapes
+        model = cls(cfg, SemanticIdCodebook(num_levels=cfg.num_codes), blob["item_ids"], parts=parts)
         model.load_state_dict(blob["state_dict"])
         model.metadata = blob.get("metadata", {})
         model.stage = stage

@@ -1,5 +1,6 @@
-"""Semantic IDs: every item gets 4 codes (3 residual k-means levels + 1 collision code), and a
-vectorized table of valid prefixes so constrained decoding only ever emits items that exist.
+"""Semantic IDs: every item gets L codes (L - 1 residual k-means levels + 1 collision code; L = 4
+by default), and a vectorized table of valid prefixes so constrained decoding only ever emits
+items that exist.
 
 Item embeddings come from text where the data has it (TF-IDF + truncated SVD), otherwise from
 collaborative signal (windowed item co-occurrence, PPMI, truncated SVD), plus attribute one-hots
@@ -18,7 +19,7 @@ from torch import nn
 
 from backend_src.data.sequences import training_events
 
-NUM_LEVELS = 4  # 3 k-means levels + 1 collision code
+NUM_LEVELS = 4  # the default length: 3 k-means levels + 1 collision code
 
 
 # --------------------------------------------------------------------------------------------
@@ -276,31 +277,31 @@ class SemanticIdCodebook(nn.Module):
     """Codes of every item and the trie of valid prefixes as dense lookup tables.
 
     Buffers (saved with the checkpoint; shapes follow the loaded state):
-      codes      [I+1, 4]  codes of item i in row i; row 0 (padding) is all -1, never valid
-      sizes      [4]       C_0..C_3 (C_3 = largest collision group)
+      codes      [I+1, L]  codes of item i in row i; row 0 (padding) is all -1, never valid
+      sizes      [L]       C_0..C_{L-1} (C_{L-1} = largest collision group)
       child_t    [P_t, C_t] (prefix id at level t, code) -> prefix id at level t+1, or -1;
-                 level 0 has the single root prefix 0, P_4 = I
-      leaf_item  [P_4]     final prefix id -> item index
+                 level 0 has the single root prefix 0, P_L = I
+      leaf_item  [P_L]     final prefix id -> item index
     """
 
-    def __init__(self, codes: torch.Tensor | None = None):
-        """codes [I, 4] of items 1..I (unique rows). None makes an empty placeholder that a
-        state dict loads into."""
+    def __init__(self, codes: torch.Tensor | None = None, num_levels: int = NUM_LEVELS):
+        """codes [I, L] of items 1..I (unique rows). None makes an empty placeholder of
+        `num_levels` levels that a state dict loads into."""
         super().__init__()
         if codes is None:
-            codes = torch.zeros(0, NUM_LEVELS, dtype=torch.long)
+            codes = torch.zeros(0, num_levels, dtype=torch.long)
         codes = torch.as_tensor(codes, dtype=torch.long)
-        if codes.dim() != 2 or codes.shape[1] != NUM_LEVELS:
-            raise ValueError(f"codes must be [num_items, {NUM_LEVELS}], got {tuple(codes.shape)}")
+        if codes.dim() != 2 or codes.shape[1] < 2:
+            raise ValueError(f"codes must be [num_items, L >= 2], got {tuple(codes.shape)}")
         if codes.numel() and codes.min() < 0:
             raise ValueError("codes must be >= 0")
-        n = codes.shape[0]
-        sizes = codes.max(0).values + 1 if n else torch.ones(NUM_LEVELS, dtype=torch.long)
-        self.register_buffer("codes", torch.cat([torch.full((1, NUM_LEVELS), -1), codes]))
+        n, self.num_levels = codes.shape
+        sizes = codes.max(0).values + 1 if n else torch.ones(self.num_levels, dtype=torch.long)
+        self.register_buffer("codes", torch.cat([torch.full((1, self.num_levels), -1), codes]))
         self.register_buffer("sizes", sizes.clone())
         prefix = torch.zeros(n, dtype=torch.long)  # every item starts at the root
         num_prefixes = 1
-        for t in range(NUM_LEVELS):
+        for t in range(self.num_levels):
             c = int(sizes[t])
             key = prefix * c + codes[:, t]
             uniq, inverse = torch.unique(key, return_inverse=True)  # ids in key order
@@ -323,7 +324,7 @@ class SemanticIdCodebook(nn.Module):
                                  largest count M_t (pads and the dead row's entries are codes
                                  0..M_t-1), with kid_bias_t [P_t + 1, M_t] = 0 / -inf for pads;
                                  built only where M_t <= C_t / 2, else None (dense is cheaper)"""
-        for t in range(NUM_LEVELS):
+        for t in range(self.num_levels):
             child = self.child(t)
             valid = child >= 0
             bias = torch.zeros(child.shape[0] + 1, child.shape[1], device=child.device)
@@ -345,7 +346,7 @@ class SemanticIdCodebook(nn.Module):
     # ---- construction -----------------------------------------------------------------------
     @classmethod
     def from_codes(cls, codes: torch.Tensor) -> "SemanticIdCodebook":
-        """codes [I, 4] (items 1..I) or [I+1, 4] with a padding row 0 of -1."""
+        """codes [I, L] (items 1..I) or [I+1, L] with a padding row 0 of -1."""
         codes = torch.as_tensor(codes, dtype=torch.long)
         if codes.shape[0] and bool((codes[0] < 0).all()):
             codes = codes[1:]
@@ -357,9 +358,9 @@ class SemanticIdCodebook(nn.Module):
         end_offset: int = 2, sources: str = "auto",
     ) -> "SemanticIdCodebook":
         """Embeddings of the items of `data` (fit on each user's events but the last end_offset)
-        -> 3 residual k-means levels (sizes from cfg.codebook_sizes[:3], default 256 each)
-        -> collision code -> codebook."""
-        sizes = tuple(cfg.codebook_sizes[:3]) if cfg is not None else (256, 256, 256)
+        -> L - 1 residual k-means levels (sizes from cfg.codebook_sizes[:-1], default 256 each
+        for L = 4) -> collision code -> codebook."""
+        sizes = tuple(cfg.codebook_sizes[:-1]) if cfg is not None else (256,) * (NUM_LEVELS - 1)
         if embeddings is None:
             embeddings = build_item_embeddings(data, dim=dim, seed=seed, end_offset=end_offset, sources=sources)
         codes3 = residual_kmeans(embeddings, sizes, iters=iters, seed=seed)
@@ -383,7 +384,7 @@ class SemanticIdCodebook(nn.Module):
     def codebook_sizes(self) -> tuple:
         # read off the table shapes, not the `sizes` buffer: no device-to-host copy on a GPU
         # (which would also stop a decode from being captured into a CUDA graph)
-        return tuple(self.child(t).shape[1] for t in range(NUM_LEVELS))
+        return tuple(self.child(t).shape[1] for t in range(self.num_levels))
 
     def child(self, level: int) -> torch.Tensor:
         return getattr(self, f"child_{level}")
@@ -424,23 +425,23 @@ class SemanticIdCodebook(nn.Module):
         return torch.where(ok, nxt, torch.full_like(nxt, -1))
 
     def items_of(self, final_prefix_ids: torch.Tensor) -> torch.Tensor:
-        """Final (level-4) prefix ids -> item indices (0 for -1)."""
+        """Final (level-L) prefix ids -> item indices (0 for -1)."""
         items = self.leaf_item[final_prefix_ids.clamp_min(0)]
         return torch.where(final_prefix_ids >= 0, items, torch.zeros_like(items))
 
     def level_prefixes(self, codes: torch.Tensor) -> torch.Tensor:
-        """Codes [..., 4] -> [..., 5]: column t is the level-t prefix id that code t continues
-        (column 0 the root, 0), column 4 the final prefix id (-1 from where the codes leave
+        """Codes [..., L] -> [..., L+1]: column t is the level-t prefix id that code t continues
+        (column 0 the root, 0), column L the final prefix id (-1 from where the codes leave
         every item)."""
         p = [torch.zeros(codes.shape[:-1], dtype=torch.long, device=codes.device)]
-        for t in range(NUM_LEVELS):
+        for t in range(self.num_levels):
             p.append(self.advance(p[-1], codes[..., t], t))
         return torch.stack(p, dim=-1)
 
     def prefix_of_codes(self, codes: torch.Tensor) -> torch.Tensor:
-        """Codes [..., 4] -> final prefix ids (-1 where the codes are not an item)."""
+        """Codes [..., L] -> final prefix ids (-1 where the codes are not an item)."""
         return self.level_prefixes(codes)[..., -1]
 
     def items_of_codes(self, codes: torch.Tensor) -> torch.Tensor:
-        """Codes [..., 4] -> item indices (0 where the codes are not an item)."""
+        """Codes [..., L] -> item indices (0 where the codes are not an item)."""
         return self.items_of(self.prefix_of_codes(codes))
