@@ -388,10 +388,10 @@ def train(
                               "grad_norm": grad_norm / max(n, 1), **{k: v / max(n, 1) for k, v in sums.items()}})
         msg = " ".join(f"{k}={v / max(n, 1):.4f}" for k, v in sums.items())
         metric = None
-        done = max(state.seconds / (60 * minutes) if minutes else 0.0, (epoch + 1) / tcfg.epochs)
-        last = epoch + 1 == tcfg.epochs or dist.broadcast_object(time.time() > deadline)
+        over = dist.broadcast_object(time.time() > deadline)
         if evaluate_fn is not None:
-            if validation_due(tcfg, epoch, done, last):
+            done = max(state.seconds / (60 * minutes) if minutes else 0.0, (epoch + 1) / tcfg.epochs)
+            if validation_due(tcfg, epoch, done, last=over or epoch + 1 == tcfg.epochs):
                 if main:
                     model.eval()
                     metric = evaluate_fn(model)
@@ -406,8 +406,9 @@ def train(
         if state_path:
             _save_train_state(state_path, model, opt, state, tcfg, gen, rng)
         log(f"epoch {epoch} [{state.seconds / 60:.1f} min] {msg}" + (f" valid={metric:.4f}" if metric is not None else ""))
-        # the budget can also run out during this epoch's validation
-        if epoch + 1 < tcfg.epochs and (last or dist.broadcast_object(time.time() > deadline)):
+        if metric is not None and not over:  # the budget can also run out during the validation
+            over = dist.broadcast_object(time.time() > deadline)
+        if over and epoch + 1 < tcfg.epochs:
             log(f"time budget of {minutes} min reached")
             break
     return state

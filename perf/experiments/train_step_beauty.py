@@ -2,7 +2,8 @@
 time), with the dense head over the whole catalog and 64 ranker negatives (the previous recipe) and
 with 1,024 sampled items and 32 negatives (`make train-beauty`); and the recipe's step with torch's
 own dropout (its CPU mask is drawn by `bernoulli_`) against the byte-mask dropout the model uses
-(`backend_src/model/dropout.py`). Needs a trained model (`make train-beauty`). Run from the repository root, alone on the machine:
+(`backend_src/model/dropout.py`). Needs a trained model (`make train-beauty`). Run from the repository root,
+alone on the machine:
     python -m perf.experiments.train_step_beauty                   # writes perf/results/train_step_beauty.txt
     python -m perf.experiments.train_step_beauty --wait-policies   # the same under OMP_WAIT_POLICY=PASSIVE,
                                                                    # then the runtime default: train_step_beauty_omp.txt
@@ -62,6 +63,7 @@ def measure(args):
 
     every = ("retrieval", "ranking", "dense")
     recipes = {"previous recipe": (0, 64), "current recipe": (1024, 32)}
+    settings = {**recipes, "torch dropout": (1024, 32, True)}  # the current recipe with torch's dropout mask
     # every recipe with all losses and with each loss left out, timed round-robin, median of `rounds`
     runs = [(name, left_out) for name in recipes for left_out in (None, *every)] + [("torch dropout", None)]
     times = {run: [] for run in runs}
@@ -69,10 +71,7 @@ def measure(args):
     for _ in range(rounds):
         for name, left_out in runs:
             parts = tuple(p for p in every if p != left_out)
-            if name == "torch dropout":
-                times[name, left_out].append(ms_per_step(parts, *recipes["current recipe"], torch_dropout=True))
-            else:
-                times[name, left_out].append(ms_per_step(parts, *recipes[name]))
+            times[name, left_out].append(ms_per_step(parts, *settings[name]))
     median = {run: float(np.median(t)) for run, t in times.items()}
     for name, (dense_neg, rank_neg) in recipes.items():
         total = median[name, None]
