@@ -379,6 +379,27 @@ def test_hstu_attention_mfalcon_candidates(dtype):
         _close(out, ref, tol)
 
 
+@pytest.mark.parametrize("Nh,num_history", [(30, [30, 1, 19]), (1, [1, 1, 1])])
+def test_hstu_attention_own_keys_equals_the_general_mask(Nh, num_history):
+    """shared["own_keys"] (the ranker's layout: query i's own key is the i-th of the last M) skips
+    the [M, M] block among the candidates' keys; the answer is the general mask's, in every layer
+    of a pass (the layout computed once and reused)."""
+    B, M, H, d = 3, 7, 2, 16
+    _, k_h, v_h, pos, _, ts, _, nh, _ = _history_case(B, Nh, H, d, d, num_history, torch.float32, seed=21)
+    g = torch.Generator().manual_seed(22)
+    q_c, k_c, v_c = (torch.randn(B, M, H, d, generator=g) for _ in range(3))
+    last_ts = ts.gather(1, (nh - 1)[:, None])
+    args = (q_c, torch.cat([k_h, k_c], 1), torch.cat([v_h, v_c], 1), nh[:, None].expand(B, M),
+            torch.cat([pos, nh[:, None].expand(B, M)], 1), last_ts.expand(B, M),
+            torch.cat([ts, last_ts.expand(B, M)], 1), nh, (Nh + torch.arange(M))[None].expand(B, M),
+            *_hstu_bias(H, 16, 24, seed=23), 1.6, d ** -0.5, 36.0)
+    ref = R.hstu_attention(*args)
+    shared = {"own_keys": M}
+    for _ in range(2):
+        _close(R.hstu_attention(*args, shared=shared), ref, TOL[torch.float32])
+    assert "hstu_own_layout" in shared and "hstu_layout" not in shared
+
+
 @pytest.mark.parametrize("shuffle", [False, True])
 def test_hstu_attention_several_query_blocks(shuffle):
     """More queries than one block: later key tiles are skipped for early query blocks (causal),

@@ -69,7 +69,7 @@ class MFalconRanker(nn.Module):
             k_pos = torch.cat([hist_pos, q_pos], dim=1)  # [B, N + m]
             k_ts = torch.cat([cache.timestamps, q_ts], dim=1)
             q_self = (N + torch.arange(m, device=dev)).expand(B, m)  # own key index
-            shared = {}
+            shared = {"own_keys": m}  # the last m keys are the candidates' own: no [m, m] block
             for li, layer in enumerate(layers):
                 u, q, k, v = layer.project(x)
                 k_all = torch.cat([cache.keys[li], k], dim=1)  # [B, N + m, H, dqk]

@@ -99,10 +99,15 @@ def hstu_attention(
 
     shared: a dict handed to every call with the same positions, timestamps, masks, table sizes
     and norm (the layers of one pass); the bias row indices and the mask are computed by the
-    first call and reused by the others.
+    first call and reused by the others. shared["own_keys"] = M says the last M keys are the
+    queries' own (q_self[b, i] = Nk - M + i, M-FALCON's layout): the [M, M] block among them,
+    all masked but its diagonal, is then never computed.
     """
     B, M, H, _ = q.shape
     Nk = k.shape[1]
+    if shared is not None and shared.get("own_keys") == M:
+        return _hstu_attention_own_keys(q, k, v, q_pos, k_pos, q_ts, k_ts, num_history, pos_bias, time_bias,
+                                        time_base, scale, norm, shared)
     # matmul on transposed views, not einsum: for one appended row the permutes and reshapes
     # around einsum cost as much as the products themselves
     logits = torch.matmul(q.transpose(1, 2), k.permute(0, 2, 3, 1))  # [B, H, M, Nk]
@@ -121,6 +126,36 @@ def hstu_attention(
     bias = pos_bias.index_select(1, rel) + time_bias.index_select(1, tb)
     attn = F.silu(torch.add(bias.view(H, B, M, Nk).transpose(0, 1), logits, alpha=scale)).mul_(weight)
     return torch.matmul(attn, v.transpose(1, 2)).transpose(1, 2)  # [B, M, H, dv]
+
+
+def _hstu_attention_own_keys(q, k, v, q_pos, k_pos, q_ts, k_ts, num_history, pos_bias, time_bias, time_base,
+                             scale, norm, shared):
+    """hstu_attention where query i's only non-history key is key Nh + i (Nh = Nk - M): the history
+    block [M, Nh] as a matrix product, each query's own key as a row-wise dot product."""
+    B, M, H, _ = q.shape
+    Nh = k.shape[1] - M
+    k_hist, k_own, v_hist, v_own = k[:, :Nh], k[:, Nh:], v[:, :Nh], v[:, Nh:]
+    logits = torch.matmul(q.transpose(1, 2), k_hist.permute(0, 2, 3, 1))  # [B, H, M, Nh]
+    own_logits = (q * k_own).sum(-1).transpose(1, 2)  # [B, H, M]
+    layout = shared.get("hstu_own_layout")
+    if layout is None:
+        P, T = pos_bias.shape[1], time_bias.shape[1]
+        rel = (q_pos[:, :, None] - k_pos[:, None, :Nh]).clamp_(0, P - 1)  # [B, M, Nh]
+        tb = time_bucket(q_ts[:, :, None] - k_ts[:, None, :Nh], T, time_base)
+        j = torch.arange(Nh, device=q.device)
+        allowed = (j[None, None, :] < num_history[:, None, None]) & (k_pos[:, None, :Nh] <= q_pos[:, :, None])
+        own_rel = (q_pos - k_pos[:, Nh:]).clamp(0, P - 1)  # [B, M]
+        own_tb = time_bucket(q_ts - k_ts[:, Nh:], T, time_base)
+        layout = (rel.reshape(-1), tb.reshape(-1), (allowed / norm).to(logits.dtype)[:, None], own_rel.reshape(-1),
+                  own_tb.reshape(-1))
+        shared["hstu_own_layout"] = layout
+    rel, tb, weight, own_rel, own_tb = layout
+    bias = pos_bias.index_select(1, rel) + time_bias.index_select(1, tb)  # [H, B*M*Nh]
+    attn = F.silu(torch.add(bias.view(H, B, M, Nh).transpose(0, 1), logits, alpha=scale)).mul_(weight)
+    own_bias = (pos_bias.index_select(1, own_rel) + time_bias.index_select(1, own_tb)).view(H, B, M).transpose(0, 1)
+    own = F.silu(torch.add(own_bias, own_logits, alpha=scale)) / norm  # [B, H, M]: always allowed
+    out = torch.matmul(attn, v_hist.transpose(1, 2)) + own[..., None] * v_own.transpose(1, 2)  # [B, H, M, dv]
+    return out.transpose(1, 2)  # [B, M, H, dv]
 
 
 # --------------------------------------------------------------------------------------------
