@@ -98,11 +98,13 @@ train-beauty: setup
 	$(PY) -m export.train --data amazon-beauty --out $(RUNS)/beauty/model.pt
 	$(PY) -m export.evaluate --checkpoint $(RUNS)/beauty/model.pt --data amazon-beauty --out perf/results/quality_beauty.json
 
-## train-beauty-refit: the same recipe's final fit, trained on the validation targets too (after train-beauty)
+## train-beauty-refit: the same recipe's final fit, trained on the validation targets too (after train-beauty),
+## seeds 0-2 (seed 0 without a file suffix), each evaluated on the test split
 train-beauty-refit: setup $(RUNS)/beauty/model.pt
-	$(PY) -m export.train --data amazon-beauty --refit --fusion-weight $(RUNS)/beauty/model.pt --out $(RUNS)/beauty-refit/model.pt
-	$(PY) -m export.evaluate --checkpoint $(RUNS)/beauty-refit/model.pt --data amazon-beauty \
-		--out perf/results/quality_beauty_refit.json
+	for s in 0 1 2; do sfx=$$([ $$s = 0 ] || echo _seed$$s); \
+		$(PY) -m export.train --data amazon-beauty --refit --fusion-weight $(RUNS)/beauty/model.pt --seed $$s \
+			--out $(RUNS)/beauty-refit$$sfx/model.pt --results perf/results/quality_beauty_refit_recipe$$sfx.json || exit 1; \
+	done
 
 ## train-scientific: Amazon Scientific, the recipe and SASRec beside it, seeds 0-2 (seed 0 without a file suffix)
 train-scientific: setup

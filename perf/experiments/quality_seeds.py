@@ -4,7 +4,7 @@ same way, beside published anchors, from the result files in perf/results. Run f
 writes perf/results/<data>_seeds.md (a table per data set) and perf/results/quality_summary.json (one row per
 data set, order and seen-item policy: the means over the seeds).
 
-- amazon-beauty: the final fits (`make train-beauty-refit`, `make baselines-beauty`; seeds 1 and 2 with `--seed`).
+- amazon-beauty: the recipe's final fits (`make train-beauty-refit`, `make baselines-beauty`; seeds 1 and 2 with `--seed`).
 - amazon-scientific: the validation-run fits, not refit (the commands in docs/results.md, "Amazon Scientific").
 """
 import argparse
@@ -22,7 +22,7 @@ ORDERS = {  # summary order -> (row label, model name in the file)
 }
 DATASETS = {  # data set -> (what was fit, our result file stem, SASRec's, anchors by seen_excluded)
     "amazon-beauty": (
-        "final fit", "quality_beauty_refit", "baseline_sasrec_beauty_refit",
+        "final fit", "quality_beauty_refit_recipe", "baseline_sasrec_beauty_refit",
         {False: {"TIGER (published)": (0.0454, 0.0321, 0.0648, 0.0384)},
          True: {"HSTU public code, 70 epochs (anchor; R@10 / N@10 only)": (None, None, 0.098, 0.057)}},
     ),
