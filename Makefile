@@ -109,8 +109,8 @@ train-beauty-refit: setup $(RUNS)/beauty/model.pt
 ## train-scientific: Amazon Scientific, the recipe and SASRec beside it, seeds 0-2 (seed 0 without a file suffix)
 train-scientific: setup
 	for s in 0 1 2; do sfx=$$([ $$s = 0 ] || echo _seed$$s); \
-		$(PY) -m export.train --data amazon-scientific --seed $$s --out $(RUNS)/scientific$$sfx/model.pt \
-			--results perf/results/quality_scientific$$sfx.json || exit 1; \
+		$(PY) -m export.train --data amazon-scientific --seed $$s --out $(RUNS)/scientific-text-encoder$$sfx/model.pt \
+			--results perf/results/quality_scientific_text_encoder$$sfx.json || exit 1; \
 		$(PY) -m export.baselines --data amazon-scientific --model sasrec --epochs 200 --minutes 28 --seed $$s \
 			--out perf/results/baseline_sasrec_scientific$$sfx.json || exit 1; \
 	done

@@ -61,7 +61,7 @@ RECIPE = dict(
 # The small models of the speed benchmarks, the tests and the demo: fixed sizes and the settings
 # their recorded results were trained with (perf/results/*.json "command"), not quality recipes.
 _SMALL = dict(layers=2, heads=2, dropout=0.2, lr=1e-3, lr_schedule="constant", weight_decay=0.0,
-              dense_negatives=0, ranker_negatives=64, valid_users=2000, minutes=None)
+              dense_negatives=0, ranker_negatives=64, valid_users=2000, minutes=None, item_embeddings="auto")
 BENCHMARK_CONFIGS = {
     "synthetic": dict(_SMALL, d_model=48, max_len=64, codebook=(32, 32, 32), epochs=4),
     "ml-100k": dict(_SMALL, d_model=64, max_len=200, codebook=(32, 32, 32), epochs=30),
@@ -77,6 +77,13 @@ def history_length(data) -> int:
     return int(min(512, max(50, 50 * math.ceil(p99 / 50))))
 
 
+def item_embedding_source(data) -> str:
+    """What the recipe's semantic IDs are fit on: the item text through the pretrained sentence
+    encoder where the data has text (on Amazon Scientific's validation split it beat TF-IDF + SVD:
+    docs/results.md), else co-occurrence in the training events."""
+    return "text-encoder" if getattr(data, "item_text", None) else "collaborative"
+
+
 def data_name(spec: str) -> str:
     return Path(spec.split(":")[0]).name
 
@@ -85,7 +92,8 @@ def resolve_settings(args, data) -> dict:
     """Fill in every setting no flag gave (args attributes left None): a benchmark configuration's
     for the data sets that have one, else the recipe's, with the history length by rule. Returns
     the settings filled in."""
-    settings = BENCHMARK_CONFIGS.get(data_name(args.data)) or dict(RECIPE, max_len=history_length(data))
+    settings = BENCHMARK_CONFIGS.get(data_name(args.data)) or dict(
+        RECIPE, max_len=history_length(data), item_embeddings=item_embedding_source(data))
     filled = {}
     for key, value in settings.items():
         if getattr(args, key) is None:
@@ -128,9 +136,11 @@ def parse_args(argv=None):
     p.add_argument("--ranker-negatives", type=int, help="sampled negatives per ranker positive")
     p.add_argument("--ranker-hard-fraction", type=float, default=0.5,
                    help="share of the ranker negatives drawn among items sharing the positive's first code")
-    p.add_argument("--item-embeddings", choices=ITEM_EMBEDDING_SOURCES, default="auto",
-                   help="what the semantic IDs are fit on: auto = the item text where the data has it, else "
-                        "co-occurrence in the training events; text+collaborative = both side by side")
+    p.add_argument("--item-embeddings", choices=ITEM_EMBEDDING_SOURCES,
+                   help="what the semantic IDs are fit on (recipe: text-encoder where the data has item text, else "
+                        "collaborative): text-encoder = the item text through a pretrained sentence encoder; text = "
+                        "its TF-IDF + SVD; collaborative = co-occurrence in the training events; auto = text where "
+                        "the data has it, else collaborative; text+collaborative = both side by side")
     p.add_argument("--code-loss", choices=["all", "valid"], default="all",
                    help="each level's cross-entropy over all codes, or only those continuing the target's prefix "
                         "(the codes constrained beam search normalizes over)")

@@ -124,6 +124,25 @@ def test_text_embeddings_similarity():
     assert e[2] @ e[3] > e[2] @ e[1]
 
 
+def test_text_encoder_embeddings_follow_meaning_not_words():
+    """The pretrained sentence encoder ties texts that mean the same with no word in common, which
+    TF-IDF cannot; as a source of item embeddings it is the encoder's unit vectors (plus jitter)."""
+    pytest.importorskip("transformers")
+    from backend_src.model.text_encoder import sentence_embeddings
+
+    texts = ["digital caliper for measuring thickness", "micrometer gauge to measure how thick something is",
+             "nitrile lab gloves, powder free", "disposable rubber hand protection for the laboratory", ""]
+    e = sentence_embeddings(texts, batch_size=2)  # several batches, sorted by length
+    assert e.shape == (5, 384) and torch.allclose(e.norm(dim=1), torch.ones(5), atol=1e-5)
+    sim = e @ e.T
+    assert sim[0, 1] > sim[0, 2] + 0.2 and sim[0, 1] > sim[0, 3] + 0.2
+    assert sim[2, 3] > sim[2, 0] + 0.2 and sim[2, 3] > sim[2, 1] + 0.2
+    assert torch.allclose(sentence_embeddings(texts[:1]), e[:1], atol=1e-5)  # batching changes nothing
+    data = SimpleNamespace(**{**vars(_toy_sequences()), "num_items": 5, "item_text": dict(enumerate(texts, 1))})
+    emb = build_item_embeddings(data, sources="text-encoder")
+    assert emb.shape == (5, 384) and torch.allclose(emb, e, atol=1e-2)
+
+
 def _toy_sequences():
     # items 1..3 co-occur, items 4..6 co-occur
     seqs = [[1, 2, 3, 1, 2], [4, 5, 6, 5], [2, 3, 1], [6, 4, 5, 4]]

@@ -194,8 +194,8 @@ def test_the_kept_checkpoint_is_the_best_validated_epoch(tmp_path):
 
 
 def test_the_recipe_fills_what_no_flag_gives():
-    """Any data set gets the recipe (history length by rule); the small benchmark data sets their
-    pinned configurations; a flag always wins."""
+    """Any data set gets the recipe (history length and item embeddings by rule); the small
+    benchmark data sets their pinned configurations; a flag always wins."""
     from types import SimpleNamespace
 
     import numpy as np
@@ -216,10 +216,19 @@ def test_the_recipe_fills_what_no_flag_gives():
     recipe = train_cli.RECIPE
     assert (args.epochs, args.minutes, args.d_model, args.max_len) == (recipe["epochs"], recipe["minutes"], 96, 50)
     assert filled["lr_schedule"] == "cosine"
+    assert args.item_embeddings == "collaborative"  # no item text: co-occurrence
+    with_text = SimpleNamespace(**vars(events([7] * 100)), item_text={1: "a caliper"})
+    args = train_cli.parse_args(["--data", "amazon-tools"])
+    train_cli.resolve_settings(args, with_text)
+    assert args.item_embeddings == "text-encoder"
+    args = train_cli.parse_args(["--data", "amazon-tools", "--item-embeddings", "text"])
+    train_cli.resolve_settings(args, with_text)
+    assert args.item_embeddings == "text"
 
     args = train_cli.parse_args(["--data", "ml-1m", "--minutes", "28"])
-    train_cli.resolve_settings(args, events([7] * 100))
+    train_cli.resolve_settings(args, with_text)
     assert (args.d_model, args.max_len, args.codebook, args.minutes) == (64, 512, (64, 64, 64), 28)
+    assert args.item_embeddings == "auto"  # as its recorded results were trained
     args = train_cli.parse_args(["--data", "amazon-beauty", "--minutes", "0"])
     train_cli.resolve_settings(args, events([7] * 100))
     assert args.minutes is None  # no time cap

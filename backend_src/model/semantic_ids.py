@@ -226,7 +226,9 @@ def _unit_rows(x: torch.Tensor) -> torch.Tensor:
     return x / x.norm(dim=1, keepdim=True).clamp_min(1e-12)
 
 
-ITEM_EMBEDDING_SOURCES = ("auto", "text", "collaborative", "text+collaborative")
+# text: TF-IDF + SVD of the item text; text-encoder: the same text through a pretrained sentence encoder
+# (text_encoder.py); collaborative: co-occurrence in the training events
+ITEM_EMBEDDING_SOURCES = ("auto", "text", "text-encoder", "collaborative", "text+collaborative")
 
 
 def build_item_embeddings(
@@ -234,7 +236,8 @@ def build_item_embeddings(
     sources: str = "auto",
 ) -> torch.Tensor:
     """Item embeddings [I, D'] for items 1..I from `sources`: "auto" is text when data.item_text
-    exists, otherwise collaborative; "text+collaborative" puts both side by side, each unit-norm
+    exists, otherwise collaborative; "text-encoder" is the item text through the pretrained
+    sentence encoder instead of TF-IDF; "text+collaborative" puts both side by side, each unit-norm
     and weighted 1/sqrt(2) (what an item says and what it is bought with); attribute features
     (weighted) appended when data.item_attributes exists.
 
@@ -252,12 +255,16 @@ def build_item_embeddings(
     if sources == "auto":
         sources = "text" if item_text else "collaborative"
     wanted = sources.split("+")
-    if "text" in wanted and not item_text:
+    if {"text", "text-encoder"} & set(wanted) and not item_text:
         raise ValueError(f"item embeddings from {sources!r}: this data set has no item text")
+    texts = [item_text.get(i, "") or "" for i in range(1, num_items + 1)] if item_text else []
     parts = []
     if "text" in wanted:
-        texts = [item_text.get(i, "") or "" for i in range(1, num_items + 1)]
         parts.append(_unit_rows(text_embeddings(texts, dim, seed)))
+    if "text-encoder" in wanted:
+        from backend_src.model.text_encoder import sentence_embeddings
+
+        parts.append(_unit_rows(sentence_embeddings(texts)))
     if "collaborative" in wanted:
         offsets, items = training_events(data, end_offset)
         parts.append(_unit_rows(collaborative_embeddings(offsets, items, num_items, dim, window, seed)))

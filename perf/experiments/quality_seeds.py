@@ -5,7 +5,7 @@ writes perf/results/<data>_seeds.md (a table per data set) and perf/results/qual
 data set, order and seen-item policy: the means over the seeds).
 
 - amazon-beauty: the recipe's final fits (`make train-beauty-refit`, `make baselines-beauty`; seeds 1 and 2 with `--seed`).
-- amazon-scientific: the validation-run fits, not refit (the commands in docs/results.md, "Amazon Scientific").
+- amazon-scientific: the recipe's validation-run fits (semantic IDs from the text encoder), not refit (`make train-scientific`).
 """
 import argparse
 import json
@@ -26,7 +26,8 @@ DATASETS = {  # data set -> (what was fit, our result file stem, SASRec's, ancho
         {False: {"TIGER (published)": (0.0454, 0.0321, 0.0648, 0.0384)},
          True: {"HSTU public code, 70 epochs (anchor; R@10 / N@10 only)": (None, None, 0.098, 0.057)}},
     ),
-    "amazon-scientific": ("validation-run fit", "quality_scientific", "baseline_sasrec_scientific", {False: {}, True: {}}),
+    "amazon-scientific": ("validation-run fit", "quality_scientific_text_encoder", "baseline_sasrec_scientific",
+                          {False: {}, True: {}}),
 }
 
 
