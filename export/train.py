@@ -90,8 +90,8 @@ def data_name(spec: str) -> str:
 
 def resolve_settings(args, data) -> dict:
     """Fill in every setting no flag gave (args attributes left None): a benchmark configuration's
-    for the data sets that have one, else the recipe's, with the history length by rule. Returns
-    the settings filled in."""
+    for the data sets that have one, else the recipe's, with the history length and the item
+    embeddings by rule. Returns the settings filled in."""
     settings = BENCHMARK_CONFIGS.get(data_name(args.data)) or dict(
         RECIPE, max_len=history_length(data), item_embeddings=item_embedding_source(data))
     filled = {}
