@@ -60,7 +60,7 @@ def summarize(data: str) -> tuple[str, list[dict]]:
             means[order, excluded] = [sum(c) / len(c) for c in cols]
             lines.append(f"| {label} | {policy} | " + " | ".join(
                 f"{sum(c) / len(c):.4f} ({min(c):.4f}-{max(c):.4f})" for c in cols) + " |")
-            rows.append({"dataset": data, "order": order, "seen": policy.split()[-1],
+            rows.append({"dataset": data, "order": order, "seen": "excluded" if excluded else "included",
                          **dict(zip(("recall5", "ndcg5", "recall10", "ndcg10"), means[order, excluded])),
                          "seeds": len(SEEDS), "fit": fit})
     lines.append("")
@@ -75,13 +75,15 @@ def summarize(data: str) -> tuple[str, list[dict]]:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--data", nargs="+", default=list(DATASETS), choices=list(DATASETS))
+    ap.add_argument("--data", nargs="+", default=list(DATASETS), choices=list(DATASETS),
+                    help="the tables to print and write (the summary file always holds every data set)")
     args = ap.parse_args()
     summary = []
-    for data in args.data:
+    for data in DATASETS:
         table, rows = summarize(data)
-        print(f"## {data}\n\n{table}")
-        (RESULTS_DIR / f"{data.split('-')[-1]}_seeds.md").write_text(table)
+        if data in args.data:
+            print(f"## {data}\n\n{table}")
+            (RESULTS_DIR / f"{data.split('-')[-1]}_seeds.md").write_text(table)
         summary += rows
     write_result(RESULTS_DIR / "quality_summary.json", summary)
 
