@@ -535,7 +535,7 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
-def same_runtime_as_the_server(argv) -> None:
+def same_runtime_as_the_server(argv, module: str = "perf.served") -> None:
     """Run this process under the allocator and OpenMP settings the server gives its stages (the
     in-process rows must do the same work the same way): re-exec with them when any is missing."""
     from backend_src.serving.server import CPU_RUNTIME_ENV
@@ -544,7 +544,7 @@ def same_runtime_as_the_server(argv) -> None:
         return
     env = dict(os.environ, **CPU_RUNTIME_ENV)
     args = sys.argv[1:] if argv is None else list(argv)
-    os.execve(sys.executable, [sys.executable, "-m", "perf.served", *args], env)
+    os.execve(sys.executable, [sys.executable, "-m", module, *args], env)
 
 
 def main(argv=None) -> int:
