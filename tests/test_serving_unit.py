@@ -10,7 +10,7 @@ from tritonclient.grpc import model_config_pb2
 from backend_src.config import DecodeOptions, ModelConfig
 from backend_src.serving import protocol as P
 from backend_src.serving.validation import (
-    MAX_TIMESTAMP, Limits, RequestError, check_decoder_inputs, check_events, check_ranker_inputs, check_shape,
+    MAX_TIMESTAMP, Limits, RequestError, check_continues, check_decoder_inputs, check_events, check_ranker_inputs, check_shape,
     check_timestamps, error_code, parse_options,
 )
 from export import publish as pub
@@ -50,6 +50,14 @@ def test_event_checks_name_the_problem():
         check_events(10, np.ones(10, int), np.arange(10), Limits(20, 8, 4, max_request_events=5), True, None)
     check_events(0, a[:0], a[:0], LIMITS, start=False, session_last_timestamp=100)  # nothing new is fine
     check_events(3, a, np.array([100, 100, 101]), LIMITS, False, 100)
+    # the encoder's second look, once the session's last event is known, checks only that
+    with pytest.raises(RequestError, match="before the session's last event at 100"):
+        check_continues(np.array([99, 150]), 100)
+    check_continues(np.array([100]), 100)
+    check_continues(a[:0], 100)  # nothing new
+    check_continues(np.array([5]), None)  # a new session
+    with pytest.raises(RequestError, match=r"ACTIONS out of range at positions 0, 1, 2 \(values -1, 7, 8\)"):
+        check_events(3, np.array([-1, 7, 8]), np.array([1, 2, 3]), LIMITS, True, None)  # 7: reserved
 
 
 def test_timestamps_compared_without_overflow():

@@ -132,14 +132,23 @@ def check_events(
         raise RequestError(f"too many events in one request: {n} > {limits.max_request_events}")
     if n == 0:
         return
-    bad = np.flatnonzero((actions < 0) | (actions >= limits.num_actions) | np.isin(actions, limits.reserved_actions))
+    out = (actions < 0) | (actions >= limits.num_actions)
+    for reserved in limits.reserved_actions:  # one or two ids: np.isin costs more than the comparisons
+        out |= actions == reserved
+    bad = np.flatnonzero(out)
     if bad.size:
         raise RequestError(
             f"ACTIONS out of range at positions {_fmt(bad.tolist())} (values {_fmt(actions[bad].tolist())}): "
             f"action ids are 0..{limits.num_actions - 1}, {list(limits.reserved_actions)} reserved"
         )
     check_timestamps(timestamps, "TIMESTAMPS", what="event")
-    if not start and session_last_timestamp is not None and int(timestamps[0]) < session_last_timestamp:
+    if not start:
+        check_continues(timestamps, session_last_timestamp)
+
+
+def check_continues(timestamps: np.ndarray, session_last_timestamp: int | None) -> None:
+    """New events (already checked by check_events) must not start before the session's last one."""
+    if session_last_timestamp is not None and len(timestamps) and int(timestamps[0]) < session_last_timestamp:
         raise RequestError(
             f"TIMESTAMPS out of order: the first new event at {int(timestamps[0])} is before the session's last event at "
             f"{session_last_timestamp}"

@@ -264,7 +264,7 @@ class TritonPythonModel:
             plan.base = (empty, empty, empty)
         ids, actions, timestamps = plan.new
         last = int(plan.base[2][-1]) if plan.base[2].numel() else None
-        self.V.check_events(len(ids), actions, timestamps, self.limits, start=False, session_last_timestamp=last)
+        self.V.check_continues(timestamps, last)  # the rest was checked in _parse, on all the request's events
         try:
             items = self.model.item_indices(ids)
         except KeyError as e:
