@@ -74,8 +74,8 @@ def generate(decoder, codebook, states: torch.Tensor, lengths: torch.Tensor, opt
         code = idx % M if kids is None else torch.gather(kids.reshape(B, Wt * M), 1, idx)
         alive = beam_lp > NEG_INF
         prefix = codebook.advance(torch.gather(prefix, 1, parent), code, t)
-        prefix = torch.where(alive, prefix, torch.full_like(prefix, -1))
-        code = torch.where(alive, code, torch.full_like(code, -1))
+        prefix = torch.where(alive, prefix, -1)
+        code = torch.where(alive, code, -1)
         codes = torch.cat([ops.gather_rows(codes, parent), code[:, :, None]], dim=2)
         if t + 1 < T:  # reorder per-beam state by parent (ops.gather_rows: x [B, W_old, ...] -> [B, W_new, ...])
             prefix_emb = ops.gather_rows(prefix_emb, parent) + decoder.code_embedding(code, t)

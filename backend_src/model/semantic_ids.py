@@ -429,12 +429,12 @@ class SemanticIdCodebook(nn.Module):
         ok = (prefix_ids >= 0) & (codes >= 0) & (codes < table.shape[1])
         flat = prefix_ids.clamp_min(0) * table.shape[1] + codes.clamp(0, table.shape[1] - 1)
         nxt = torch.take(table, flat)  # one flat gather: much cheaper than a 2-D index on CPU
-        return torch.where(ok, nxt, torch.full_like(nxt, -1))
+        return torch.where(ok, nxt, -1)
 
     def items_of(self, final_prefix_ids: torch.Tensor) -> torch.Tensor:
         """Final (level-L) prefix ids -> item indices (0 for -1)."""
         items = self.leaf_item[final_prefix_ids.clamp_min(0)]
-        return torch.where(final_prefix_ids >= 0, items, torch.zeros_like(items))
+        return torch.where(final_prefix_ids >= 0, items, 0)
 
     def level_prefixes(self, codes: torch.Tensor) -> torch.Tensor:
         """Codes [..., L] -> [..., L+1]: column t is the level-t prefix id that code t continues
