@@ -83,7 +83,8 @@ def main(argv=None):
             rows.append(dict(history=n, users=b, identical=True, old=old, new=new, speedup=old["latency_ms_p50"] / new["latency_ms_p50"]))
             log(f"history {n}, {b} users: {old_rev} {old['latency_ms_p50']:.3f} ms, working tree {new['latency_ms_p50']:.3f} ms "
                 f"({rows[-1]['speedup']:.3f}x), beams identical")
-    if args.out != "-":
+    if args.out != "-":  # the command names the commit itself, not a ref that moves (HEAD)
+        argv = [old_rev if a == args.old else a for a in (sys.argv[1:] if argv is None else argv)]
         save_result(Path(args.out), rows, "perf.experiments.ab_served_decode", argv, load_start, old=old_rev,
                     checkpoint=str(args.checkpoint), options=dict(mode="pfa", beam_width=100, k=256))
 

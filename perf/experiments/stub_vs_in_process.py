@@ -115,7 +115,8 @@ def main(argv=None):
             log(f"history {n}: stub compute {row['stub_compute_p50_ms']:.2f} ms, in-process after a switch "
                 f"{row['in_process_after_switch_p50_ms']:.2f} ms, back to back {row['in_process_back_to_back_p50_ms']:.2f} ms, "
                 f"no-op stage {row['floor_compute_p50_ms']:.2f} ms "
-                f"(paired: stub - after switch - no-op {row['stub_minus_after_switch_minus_floor_p50_ms']:.2f} ms; stub / after switch {row['stub_over_after_switch_p50']:.2f}, "
+                f"(paired: stub - after switch - no-op {row['stub_minus_after_switch_minus_floor_p50_ms']:.2f} ms; "
+                f"stub / after switch {row['stub_over_after_switch_p50']:.2f}, "
                 f"after switch / back to back {row['after_switch_over_back_to_back_p50']:.2f})")
     if args.out != "-":
         save_result(Path(args.out), rows, "perf.experiments.stub_vs_in_process", argv, load_start,
