@@ -141,6 +141,8 @@ def parse_args(argv=None):
                         "collaborative): text-encoder = the item text through a pretrained sentence encoder; text = "
                         "its TF-IDF + SVD; collaborative = co-occurrence in the training events; auto = text where "
                         "the data has it, else collaborative; text+collaborative = both side by side")
+    p.add_argument("--balanced-codes", action="store_true",
+                   help="each residual k-means level holds at most ceil(items / codes) items a code (not the recipe)")
     p.add_argument("--code-loss", choices=["all", "valid"], default="all",
                    help="each level's cross-entropy over all codes, or only those continuing the target's prefix "
                         "(the codes constrained beam search normalizes over)")
@@ -222,7 +224,8 @@ def run(args, device):
             ranker_hard_fraction=args.ranker_hard_fraction,
             dense_temperature=args.dense_temperature,
         )
-        model = build_model(data, cfg, seed=args.seed, end_offset=tcfg.end_offset, item_embeddings=args.item_embeddings)
+        model = build_model(data, cfg, seed=args.seed, end_offset=tcfg.end_offset, item_embeddings=args.item_embeddings,
+                            balanced_codes=args.balanced_codes)
     if args.fusion_weight is not None:
         cfg.rank_fusion_weight, cfg.rank_fusion_weight_seen_excluded = args.fusion_weight
     say(f"semantic IDs: codebook sizes {cfg.codebook_sizes}")
@@ -260,7 +263,7 @@ def run(args, device):
     write_result(
         out, rows, config=cfg.to_dict(), train=vars(tcfg), train_seconds=state.seconds, epochs_run=state.epoch + 1,
         best_valid=state.best_metric, timing=test["timing"], processes=world, train_history=state.history,
-        resumed_from=args.resume, item_embeddings=args.item_embeddings,
+        resumed_from=args.resume, item_embeddings=args.item_embeddings, balanced_codes=args.balanced_codes,
     )
     for r in rows:
         print(f"{r['model']:>18} seen_excluded={r['seen_excluded']!s:5} "

@@ -9,6 +9,7 @@ import torch
 from backend_src.model.semantic_ids import (
     SemanticIdCodebook,
     assign_collision_codes,
+    balanced_assign,
     build_item_embeddings,
     collaborative_embeddings,
     kmeans,
@@ -52,6 +53,23 @@ def test_residual_kmeans_and_collision_codes_unique():
     for key in {tuple(r) for r in codes3.tolist()}:
         rows = (codes3 == torch.tensor(key)).all(1).nonzero().flatten()
         assert codes[rows, 3].tolist() == list(range(len(rows)))
+
+
+def test_balanced_assignment_caps_every_cluster():
+    g = torch.Generator().manual_seed(0)
+    d = torch.rand(500, 7, generator=g)
+    d[:, 3] -= 1.0  # every point's nearest cluster is 3
+    assign = balanced_assign(d, 72)  # 7 * 72 >= 500
+    counts = torch.bincount(assign, minlength=7)
+    assert int(counts.max()) <= 72 and int(counts.sum()) == 500
+    # cluster 3 keeps the 72 points closest to it
+    assert set((assign == 3).nonzero().flatten().tolist()) == set(torch.topk(-d[:, 3], 72).indices.tolist())
+    assert torch.equal(balanced_assign(d, 500), d.argmin(1))  # room for all: the nearest cluster
+    with pytest.raises(ValueError):
+        balanced_assign(d, 71)
+    x = _blobs(300, 8, 3)  # 3 blobs of about 100 points, 6 codes: each code at most 50
+    codes = residual_kmeans(x, sizes=(6, 6), iters=10, balanced=True)
+    assert all(int(torch.bincount(codes[:, level]).max()) <= 50 for level in range(2))
 
 
 def _random_codes(n=80, sizes=(4, 3, 3), seed=0):

@@ -48,18 +48,49 @@ def _kmeans_pp_init(x: torch.Tensor, k: int, gen: torch.Generator) -> torch.Tens
     return centers
 
 
-def kmeans(x: torch.Tensor, k: int, iters: int = 25, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def balanced_assign(d: torch.Tensor, capacity: int) -> torch.Tensor:
+    """d [n, k] distances -> assignments [n] with at most `capacity` points a cluster (capacity * k >= n).
+    Rounds of proposals: every unassigned point proposes to its nearest cluster with room, and each
+    cluster takes its closest proposers up to its room; a point turned away proposes again."""
+    n, k = d.shape
+    if capacity * k < n:
+        raise ValueError(f"{k} clusters of {capacity} cannot hold {n} points")
+    assign = torch.full((n,), -1, dtype=torch.long)
+    room = torch.full((k,), capacity, dtype=torch.long)
+    todo = torch.arange(n)
+    while len(todo):
+        dt = d[todo].masked_fill(room[None, :] == 0, float("inf"))
+        dist, choice = dt.min(1)
+        # each cluster's proposers, closest first: sort by distance, then (stably) by cluster
+        order = torch.argsort(dist)
+        order = order[torch.sort(choice[order], stable=True).indices]
+        chosen = choice[order]
+        first = torch.searchsorted(chosen, torch.arange(k))  # where each cluster's run starts
+        rank = torch.arange(len(order)) - first[chosen]
+        taken = order[rank < room[chosen]]
+        assign[todo[taken]] = choice[taken]
+        room -= torch.bincount(choice[taken], minlength=k)
+        todo = todo[assign[todo] < 0]
+    return assign
+
+
+def kmeans(x: torch.Tensor, k: int, iters: int = 25, seed: int = 0, balanced: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Lloyd's k-means with k-means++ seeding. x [n, D] -> (assignments [n], centers [k', D]),
-    k' = min(k, n). An empty cluster is re-seeded with the point farthest from its center."""
+    k' = min(k, n). An empty cluster is re-seeded with the point farthest from its center.
+    balanced: every cluster holds at most ceil(n / k') points (balanced_assign at every step)."""
     x = x.float()
     n = x.shape[0]
     k = max(1, min(k, n))
+    capacity = -(-n // k)
     gen = torch.Generator().manual_seed(seed)
     centers = _kmeans_pp_init(x, k, gen)
     assign = torch.zeros(n, dtype=torch.long)
     for _ in range(iters):
         d = _sq_dists(x, centers)
         dmin, assign = d.min(1)
+        if balanced:
+            assign = balanced_assign(d, capacity)
+            dmin = d.gather(1, assign[:, None]).squeeze(1)
         counts = torch.bincount(assign, minlength=k)
         sums = torch.zeros_like(centers).index_add_(0, assign, x)
         new = sums / counts.clamp_min(1)[:, None].to(x.dtype)
@@ -72,21 +103,23 @@ def kmeans(x: torch.Tensor, k: int, iters: int = 25, seed: int = 0) -> tuple[tor
             centers = new
             break
         centers = new
-    assign = _sq_dists(x, centers).argmin(1)
+    d = _sq_dists(x, centers)
+    assign = balanced_assign(d, capacity) if balanced else d.argmin(1)
     return assign, centers
 
 
 def residual_kmeans(
-    x: torch.Tensor, sizes=(256, 256, 256), iters: int = 25, seed: int = 0
+    x: torch.Tensor, sizes=(256, 256, 256), iters: int = 25, seed: int = 0, balanced: bool = False
 ) -> torch.Tensor:
     """Residual quantization: level l clusters the residual x - sum_{m<l} center_m(x).
 
-    x [I, D] -> codes [I, len(sizes)] (level l codes lie in 0..min(sizes[l], I)-1).
+    x [I, D] -> codes [I, len(sizes)] (level l codes lie in 0..min(sizes[l], I)-1); balanced: each
+    level's codes hold at most ceil(I / size) items each.
     """
     residual = x.float().clone()
     codes = []
     for level, size in enumerate(sizes):
-        assign, centers = kmeans(residual, size, iters=iters, seed=seed + level)
+        assign, centers = kmeans(residual, size, iters=iters, seed=seed + level, balanced=balanced)
         codes.append(assign)
         residual = residual - centers[assign]
     return torch.stack(codes, dim=1)
@@ -362,7 +395,7 @@ class SemanticIdCodebook(nn.Module):
     @classmethod
     def build(
         cls, data, cfg=None, dim: int = 64, iters: int = 25, seed: int = 0, embeddings: torch.Tensor | None = None,
-        end_offset: int = 2, sources: str = "auto",
+        end_offset: int = 2, sources: str = "auto", balanced: bool = False,
     ) -> "SemanticIdCodebook":
         """Embeddings of the items of `data` (fit on each user's events but the last end_offset)
         -> L - 1 residual k-means levels (sizes from cfg.codebook_sizes[:-1], default 256 each
@@ -370,7 +403,7 @@ class SemanticIdCodebook(nn.Module):
         sizes = tuple(cfg.codebook_sizes[:-1]) if cfg is not None else (256,) * (NUM_LEVELS - 1)
         if embeddings is None:
             embeddings = build_item_embeddings(data, dim=dim, seed=seed, end_offset=end_offset, sources=sources)
-        codes3 = residual_kmeans(embeddings, sizes, iters=iters, seed=seed)
+        codes3 = residual_kmeans(embeddings, sizes, iters=iters, seed=seed, balanced=balanced)
         return cls(assign_collision_codes(codes3))
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
