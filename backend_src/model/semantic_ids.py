@@ -87,10 +87,11 @@ def kmeans(x: torch.Tensor, k: int, iters: int = 25, seed: int = 0, balanced: bo
     assign = torch.zeros(n, dtype=torch.long)
     for _ in range(iters):
         d = _sq_dists(x, centers)
-        dmin, assign = d.min(1)
         if balanced:
             assign = balanced_assign(d, capacity)
             dmin = d.gather(1, assign[:, None]).squeeze(1)
+        else:
+            dmin, assign = d.min(1)
         counts = torch.bincount(assign, minlength=k)
         sums = torch.zeros_like(centers).index_add_(0, assign, x)
         new = sums / counts.clamp_min(1)[:, None].to(x.dtype)
