@@ -103,8 +103,7 @@ def hstu_attention(
     queries' own (q_self[b, i] = Nk - M + i, M-FALCON's layout): the [M, M] block among them,
     all masked but its diagonal, is then never computed.
     """
-    B, M, H, _ = q.shape
-    Nk = k.shape[1]
+    M = q.shape[1]
     if shared is not None and shared.get("own_keys") == M:
         return _hstu_attention_own_keys(q, k, v, q_pos, k_pos, q_ts, k_ts, num_history, pos_bias, time_bias,
                                         time_base, scale, norm, shared)
@@ -113,19 +112,33 @@ def hstu_attention(
     logits = torch.matmul(q.transpose(1, 2), k.permute(0, 2, 3, 1))  # [B, H, M, Nk]
     layout = None if shared is None else shared.get("hstu_layout")
     if layout is None:
-        rel = (q_pos[:, :, None] - k_pos[:, None, :]).clamp_(0, pos_bias.shape[1] - 1)  # [B, M, Nk]
-        tb = time_bucket(q_ts[:, :, None] - k_ts[:, None, :], time_bias.shape[1], time_base)
-        j = torch.arange(Nk, device=q.device)
-        hist = (j[None, None, :] < num_history[:, None, None]) & (k_pos[:, None, :] <= q_pos[:, :, None])
-        allowed = hist | (j[None, None, :] == q_self[:, :, None])  # [B, M, Nk]
-        layout = (rel.view(-1), tb.view(-1), (allowed / norm).to(logits.dtype)[:, None])
+        layout = _hstu_layout(q_pos, k_pos, q_ts, k_ts, num_history, q_self, pos_bias, time_bias, time_base, norm,
+                              logits.dtype)
         if shared is not None:
             shared["hstu_layout"] = layout
-    rel, tb, weight = layout
-    # both biases as row gathers of the [H, P] / [H, T] tables: [H, B*M*Nk] -> [B, H, M, Nk]
-    bias = pos_bias.index_select(1, rel) + time_bias.index_select(1, tb)
-    attn = F.silu(torch.add(bias.view(H, B, M, Nk).transpose(0, 1), logits, alpha=scale)).mul_(weight)
+    attn = _hstu_weights(logits, layout, pos_bias, time_bias, scale)
     return torch.matmul(attn, v.transpose(1, 2)).transpose(1, 2)  # [B, M, H, dv]
+
+
+def _hstu_layout(q_pos, k_pos, q_ts, k_ts, num_history, q_self, pos_bias, time_bias, time_base, norm, dtype):
+    """What the positions and timestamps fix for every (query, key) pair: the rows of the relative-position
+    and time bias tables, and allowed(i, j) / norm (q_self None: no key but history rows)."""
+    rel = (q_pos[:, :, None] - k_pos[:, None, :]).clamp_(0, pos_bias.shape[1] - 1)  # [B, M, Nk]
+    tb = time_bucket(q_ts[:, :, None] - k_ts[:, None, :], time_bias.shape[1], time_base)
+    j = torch.arange(k_pos.shape[1], device=k_pos.device)
+    allowed = (j[None, None, :] < num_history[:, None, None]) & (k_pos[:, None, :] <= q_pos[:, :, None])
+    if q_self is not None:
+        allowed |= j[None, None, :] == q_self[:, :, None]
+    return rel.reshape(-1), tb.reshape(-1), (allowed / norm).to(dtype)[:, None]
+
+
+def _hstu_weights(logits, layout, pos_bias, time_bias, scale):
+    """logits [B, H, M, N] -> allowed / norm * silu(scale * logits + rab_pos + rab_time), both biases
+    as row gathers of the [H, P] / [H, T] tables."""
+    B, H, M, N = logits.shape
+    rel, tb, weight = layout
+    bias = pos_bias.index_select(1, rel) + time_bias.index_select(1, tb)  # [H, B*M*N]
+    return F.silu(torch.add(bias.view(H, B, M, N).transpose(0, 1), logits, alpha=scale)).mul_(weight)
 
 
 def _hstu_attention_own_keys(q, k, v, q_pos, k_pos, q_ts, k_ts, num_history, pos_bias, time_bias, time_base,
@@ -139,19 +152,14 @@ def _hstu_attention_own_keys(q, k, v, q_pos, k_pos, q_ts, k_ts, num_history, pos
     own_logits = (q * k_own).sum(-1).transpose(1, 2)  # [B, H, M]
     layout = shared.get("hstu_own_layout")
     if layout is None:
-        P, T = pos_bias.shape[1], time_bias.shape[1]
-        rel = (q_pos[:, :, None] - k_pos[:, None, :Nh]).clamp_(0, P - 1)  # [B, M, Nh]
-        tb = time_bucket(q_ts[:, :, None] - k_ts[:, None, :Nh], T, time_base)
-        j = torch.arange(Nh, device=q.device)
-        allowed = (j[None, None, :] < num_history[:, None, None]) & (k_pos[:, None, :Nh] <= q_pos[:, :, None])
-        own_rel = (q_pos - k_pos[:, Nh:]).clamp(0, P - 1)  # [B, M]
-        own_tb = time_bucket(q_ts - k_ts[:, Nh:], T, time_base)
-        layout = (rel.reshape(-1), tb.reshape(-1), (allowed / norm).to(logits.dtype)[:, None], own_rel.reshape(-1),
-                  own_tb.reshape(-1))
+        hist = _hstu_layout(q_pos, k_pos[:, :Nh], q_ts, k_ts[:, :Nh], num_history, None, pos_bias, time_bias,
+                            time_base, norm, logits.dtype)
+        own_rel = (q_pos - k_pos[:, Nh:]).clamp(0, pos_bias.shape[1] - 1)  # [B, M]
+        own_tb = time_bucket(q_ts - k_ts[:, Nh:], time_bias.shape[1], time_base)
+        layout = (hist, own_rel.reshape(-1), own_tb.reshape(-1))
         shared["hstu_own_layout"] = layout
-    rel, tb, weight, own_rel, own_tb = layout
-    bias = pos_bias.index_select(1, rel) + time_bias.index_select(1, tb)  # [H, B*M*Nh]
-    attn = F.silu(torch.add(bias.view(H, B, M, Nh).transpose(0, 1), logits, alpha=scale)).mul_(weight)
+    hist, own_rel, own_tb = layout
+    attn = _hstu_weights(logits, hist, pos_bias, time_bias, scale)  # [B, H, M, Nh]
     own_bias = (pos_bias.index_select(1, own_rel) + time_bias.index_select(1, own_tb)).view(H, B, M).transpose(0, 1)
     own = F.silu(torch.add(own_bias, own_logits, alpha=scale)) / norm  # [B, H, M]: always allowed
     out = torch.matmul(attn, v_hist.transpose(1, 2)) + own[..., None] * v_own.transpose(1, 2)  # [B, H, M, dv]
