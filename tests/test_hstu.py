@@ -178,6 +178,28 @@ def test_fused_append_equals_full_encode_and_torch_path(enc, kernel_calls, monke
     assert_cache_close(fused, torch_path)
 
 
+def test_fused_append_onto_histories_of_different_lengths(enc, kernel_calls, monkeypatch):
+    """One event each onto single-user caches of different lengths, batched as serving batches them
+    (the copying path): one kernel call, equal to encoding at once and to the torch path, and the
+    users' own caches unchanged."""
+    batch = make_batch([14, 3, 22], seed=19)
+    first, new = cut(*batch, [13, 2, 21])
+    new = (*(t[:, :1] for t in new[:3]), new[3])
+    with torch.no_grad():
+        full = enc(*batch)
+        per_user = enc(*first).split()
+        before = [c.clone() for c in per_user]
+        fused = enc.append(HistoryCache.cat(per_user), *new)
+        assert len(kernel_calls) == 1
+        monkeypatch.setenv("GENREC_OPS_BACKEND", "torch")
+        torch_path = enc.append(HistoryCache.cat(per_user), *new)
+    assert len(kernel_calls) == 1
+    assert_cache_close(fused, full)
+    assert_cache_close(fused, torch_path)
+    for c, b in zip(per_user, before):
+        assert_cache_close(c, b, atol=0)
+
+
 def test_fused_append_time_buckets_at_their_edges(kernel_calls):
     """Gaps on both sides of every bucket edge, up to 1.6^63 s (edges past 2^24 s are whole
     floats, hit exactly), with a large time bias per bucket: the kernel's float32 thresholds

@@ -360,11 +360,11 @@ class HSTUEncoder(nn.Module):
         )
 
     # ---- fused CPU step ----------------------------------------------------------------------
-    def _append_fused(self, out: HistoryCache, items, actions, timestamps) -> bool:
-        """One event per user onto full histories by the fused CPU kernel (``ops.cpu_kernels``),
-        written into the last row of `out`'s buffers. False, with nothing written, where it does
-        not apply: training or autograd, tensors that are not float32 on the CPU, the backend
-        forced by GENREC_OPS_BACKEND, numba missing."""
+    def _append_fused(self, out: HistoryCache, items, actions, timestamps, rows: Sequence[int]) -> bool:
+        """One event per user by the fused CPU kernel (``ops.cpu_kernels``), user b's written into
+        row rows[b] of `out`'s buffers, after its rows[b] cached rows. False, with nothing written,
+        where it does not apply: training or autograd, tensors that are not float32 on the CPU,
+        the backend forced by GENREC_OPS_BACKEND, numba missing."""
         if self.training or torch.is_grad_enabled():
             return False
         kernels = ops.fused_cpu_kernels(out.keys, out.values, out.states, self.item_embedding.weight)
@@ -372,7 +372,7 @@ class HSTUEncoder(nn.Module):
         if weights is None or out.keys.stride(-1) != 1 or out.values.stride(-1) != 1:
             return False
         kernels.append_one_event(
-            items.numpy(), actions.numpy(), timestamps.numpy(), out.num_rows - 1,
+            items.numpy(), actions.numpy(), timestamps.numpy(), np.asarray(rows, dtype=np.int64),
             *kernels.flat(out.keys), *kernels.flat(out.values), out.states.numpy(), out.timestamps.numpy(), *weights,
         )
         return True
@@ -432,7 +432,8 @@ class HSTUEncoder(nn.Module):
         ``HistoryCache.capacity``; full buffers are first regrown to twice the rows, at most
         max_seq_len) instead of copying every cached row into fresh tensors, so that one event
         costs O(1) memory traffic, not O(N). Taken when every user's cached history fills its N rows
-        and every user appends Nn events (always so for one user), else the copying path runs.
+        and every user appends Nn events (always so for one user), else the copying path runs. One
+        event per user takes the fused CPU kernel on either path, where it applies.
         The result shares memory with `cache`, whose own rows stay as they were; a second
         in-place append to the same `cache` overwrites the first one's new rows.
 
@@ -453,11 +454,16 @@ class HSTUEncoder(nn.Module):
                 cache = cache.reserve(min(self.cfg.max_seq_len, 2 * n_out))
             out = cache.grown(n_out)  # rows No.. are written below
             out.lengths = total
-            if Nn == 1 and self._append_fused(out, items, actions, timestamps):
+            if Nn == 1 and self._append_fused(out, items, actions, timestamps, old_n):
                 return out
             out.timestamps[:, No:].copy_(timestamps)
             keys, values, k_ts = out.keys, out.values, out.timestamps
         else:
+            if Nn == 1 and all(n == 1 for n in new_n):  # one event each onto histories of any lengths
+                out = cache.reserve(n_out).grown(n_out)  # fresh buffers, zero past each history
+                if self._append_fused(out, items, actions, timestamps, old_n):
+                    out.lengths = total
+                    return out
             k_ts = merge_rows(cache.timestamps, timestamps, cache.lengths, new_lengths, n_out)
             # every layer's merged rows go straight into the stacked cache tensors
             keys = cache.keys.new_empty((len(self.layers), B, n_out, *cache.keys.shape[3:]))

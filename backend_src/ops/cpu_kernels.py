@@ -91,9 +91,9 @@ def _bucket(dt, thr):
 @_njit
 def append_one_event(
     items, actions, timestamps,  # [B, 1] the new event of each user
-    n,  # cached rows per user; the new row is row n (position n)
-    keys, ks, values, vs,  # the K/V cache [L, B, >n, H, d] as a flat buffer and its element strides (see flat())
-    states, k_ts,  # [B, >n, D], [B, >n]; row n of these and of K/V is written
+    rows,  # [B] int64: user b's cached rows; its new row is row rows[b] (position rows[b])
+    keys, ks, values, vs,  # the K/V cache [L, B, N, H, d] as a flat buffer and its element strides (see flat())
+    states, k_ts,  # [B, N, D], [B, N]; row rows[b] of these and of K/V is written (N > max(rows))
     item_emb, action_emb, embed_scale,
     ln_w, ln_b, f1_w, f1_b, attn_ln_w, attn_ln_b, f2_w, f2_b, pos_bias, time_bias,  # tuples, one entry per layer
     eps, final_w, final_b, thr, scale, inv_norm,
@@ -114,8 +114,9 @@ def append_one_event(
     attn = np.empty(H * dv, np.float32)
     gated = np.empty(H * dv, np.float32)
     y = np.empty(D, np.float32)
-    tb = np.empty(n + 1, np.int64)
+    tb = np.empty(rows.max() + 1, np.int64)
     for b in range(B):
+        n = rows[b]
         t = timestamps[b, 0]
         k_ts[b, n] = t
         for j in range(n + 1):
