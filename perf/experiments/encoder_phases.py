@@ -1,0 +1,147 @@
+"""Where the history encoder's time goes inside its Triton stub, phase by phase. The benchmark model is published
+into a temporary repository whose copy of the encoder's model.py gets timers around its phases (parse and check
+the request, plan, the base history, encode, write the log, cache, build the response, publish the metrics; the
+log's count read is the round minus those), written out when the server unloads the model. One client sends, one
+at a time, requests with no events to a cached 50-event session, then one-event appends to it; Triton's
+compute_infer of the encoder is read around each, and the floor's no-op encoder (perf/floor) is timed the same way
+for what the stub and Triton cost without the work. Run from the repository root (needs the benchmark model,
+`make bench-served` trains it):
+    python -m perf.experiments.encoder_phases            # -> perf/results/encoder_phases.json
+    python -m perf.experiments.encoder_phases --quick --out -
+"""
+import argparse
+import json
+import statistics
+import tempfile
+from pathlib import Path
+
+from backend_src.serving import protocol as P
+from perf.common import RESULTS_DIR, REPO_ROOT, host_load, log, save_result
+
+DEFAULT_CHECKPOINT = Path("runs/bench/model.pt")
+PHASES = ("_parse", "_plan", "_set_base", "_run", "_write_log", "_commit", "_response", "_round", "_publish_metrics", "execute")
+
+# appended to the published copy of the encoder's model.py: per-phase wall times, written at unload
+TIMERS = '''
+
+def _timed(name, acc):
+    import time
+    inner = getattr(TritonPythonModel, name)
+
+    def timed(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return inner(self, *args, **kwargs)
+        finally:
+            acc.setdefault(name, []).append(time.perf_counter() - t0)
+
+    setattr(TritonPythonModel, name, timed)
+
+
+_PHASE_TIMES = {}
+for _name in %r:
+    _timed(_name, _PHASE_TIMES)
+_finalize = TritonPythonModel.finalize
+
+
+def _finalize_and_write(self):
+    import json
+    Path(%r).write_text(json.dumps(_PHASE_TIMES))
+    _finalize(self)
+
+
+TritonPythonModel.finalize = _finalize_and_write
+'''
+
+
+def encoder_compute_ns(client) -> int:
+    for m in client.get_inference_statistics(model_name=P.ENCODER, as_json=True).get("model_stats", []):
+        return int(m.get("inference_stats", {}).get("compute_infer", {}).get("ns", 0))
+    return 0
+
+
+def drive(url: str, events: tuple, options: dict, warmup: int, reps: int) -> dict:
+    """Per kind: the client's latencies and the encoder's compute_infer (ms), `reps` requests after `warmup`."""
+    import tritonclient.grpc as grpcclient
+
+    from clients.client import RecommenderClient
+
+    client, stats = RecommenderClient(url), grpcclient.InferenceServerClient(url)
+    items, actions, ts = events
+    client.open_session("phases", items, actions, ts, **options)
+    out, step = {}, [0]
+
+    def append():
+        step[0] += 1
+        return client.append("phases", [items[step[0] % len(items)]], [actions[-1]], [ts[-1] + step[0]], **options)
+
+    for kind, call in (("recommend", lambda: client.recommend("phases", **options)), ("append", append)):
+        latency, compute = [], []
+        for i in range(warmup + reps):
+            before = encoder_compute_ns(stats)
+            ms = call().latency_ms
+            if i >= warmup:
+                latency.append(ms)
+                compute.append((encoder_compute_ns(stats) - before) / 1e6)
+        out[kind] = dict(client_p50_ms=statistics.median(latency), encoder_compute_p50_ms=statistics.median(compute))
+    client.close_session("phases")
+    client.close()
+    stats.close()
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT)
+    ap.add_argument("--data", default="ml-1m")
+    ap.add_argument("--max-users", type=int, default=600)
+    ap.add_argument("--reps", type=int, default=300)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", default=str(RESULTS_DIR / "encoder_phases.json"), help="'-': print only")
+    args = ap.parse_args(argv)
+
+    from backend_src.config import DecodeOptions
+    from backend_src.data import load_dataset
+    from backend_src.model.recommender import GenerativeRecommender
+    from export.publish import publish
+    from export.triton_configs import ServingOptions
+    from perf.floor import floor_server
+    from perf.served import long_history, same_runtime_as_the_server
+    from perf.served_eval import serve_repository
+
+    same_runtime_as_the_server(None, module="perf.experiments.encoder_phases")
+    reps, warmup = (10, 3) if args.quick else (args.reps, 20)
+    load_start = host_load()
+    data = load_dataset(args.data, max_users=args.max_users)
+    events = long_history(data, 50)
+    options = dict(top_k=10, beam_width=100, mode="pfa", pfa_k=256, pfa_r=0.5, selection_step=1)
+    decode = DecodeOptions(mode="pfa", beam_width=100, k=256, r=0.5, selection_step=1)
+    serving = ServingOptions(decode=decode, top_k=10, torch_threads=1, visit_idle_s=120)
+    with tempfile.TemporaryDirectory(prefix="genrec-phases-", dir=REPO_ROOT / "runs" if (REPO_ROOT / "runs").is_dir() else None) as tmp:
+        repo, times_file = Path(tmp) / "model_repository", Path(tmp) / "phases.json"
+        publish(args.checkpoint, repo, serving)
+        model_py = repo / P.ENCODER / "1" / "model.py"
+        model_py.write_text(model_py.read_text() + TIMERS % (PHASES, str(times_file)))
+        with serve_repository(repo) as server:
+            served = drive(server.grpc_url, events, options, warmup, reps)
+        with floor_server(GenerativeRecommender.load(args.checkpoint).cfg, serving) as floor:
+            no_op = drive(floor.grpc_url, events, options, warmup, reps)
+        times = json.loads(times_file.read_text())
+    # the stage's executes in order: the open, then each kind's warm-up and timed requests, then the close
+    rows = []
+    for k, kind in enumerate(("recommend", "append")):
+        first = 1 + k * (warmup + reps) + warmup
+        phases = {name: statistics.median(times[name][first:first + reps]) * 1e3 for name in PHASES}
+        phases["log_count_read_and_rest"] = phases["_round"] - sum(phases[n] for n in PHASES[:7])
+        rows.append(dict(kind=kind, history=50, reps=reps, **served[kind], floor_encoder_compute_p50_ms=no_op[kind]["encoder_compute_p50_ms"],
+                         phases_p50_ms=phases))
+        log(f"{kind}: encoder compute {served[kind]['encoder_compute_p50_ms']:.2f} ms (floor "
+            f"{no_op[kind]['encoder_compute_p50_ms']:.2f}); execute {phases['execute']:.2f} ms: "
+            + ", ".join(f"{n.strip('_')} {v:.3f}" for n, v in phases.items() if n not in ("execute", "_round")))
+    if args.out != "-":
+        save_result(Path(args.out), rows, "perf.experiments.encoder_phases", argv, load_start, checkpoint=str(args.checkpoint),
+                    data=args.data, options=options)
+
+
+if __name__ == "__main__":
+    main()
