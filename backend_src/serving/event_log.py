@@ -342,9 +342,11 @@ class SQLiteEventLog(EventLog):
             self._connect()
         return self._conn
 
-    def _read(self, fn):
+    def _read(self, fn, one_statement: bool = False):
         with self._lock:
             db = self._db()
+            if one_statement:  # a single statement reads one snapshot by itself
+                return fn(db)
             db.execute("BEGIN")  # one snapshot for the whole read
             try:
                 return fn(db)
@@ -378,7 +380,8 @@ class SQLiteEventLog(EventLog):
         return found
 
     def _counts(self, users):
-        return self._read(lambda db: [self._count_map(db, users).get(u, 0) for u in users])
+        return self._read(lambda db: [self._count_map(db, users).get(u, 0) for u in users],
+                          one_statement=len(set(users)) <= _MAX_PARAMS)  # _count_map's one query
 
     def _tails(self, users, n):
         def read(db):

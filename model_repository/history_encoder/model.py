@@ -173,8 +173,12 @@ class TritonPythonModel:
                 metric.increment(n)
                 self._counted[metric] = 0
         s = self.store.stats()
+        resync = self._shown.get(self.m_sessions) != s["sessions"]
         for metric, value in ((self.m_bytes, s["bytes"]), (self.m_peak, s["peak_bytes"]), (self.m_sessions, s["sessions"])):
-            if self._shown.get(metric) != value:
+            shown = self._shown.get(metric)
+            # a session's bytes grow a little with every event: the byte gauges are sent when the
+            # session count changes or they move by over 1/256, not on every append
+            if shown != value and (resync or shown is None or abs(value - shown) * 256 > shown):
                 metric.set(value)
                 self._shown[metric] = value
 
@@ -282,6 +286,10 @@ class TritonPythonModel:
     # ---- batched encoding -------------------------------------------------------------------
     def _pad(self, plans):
         """Events of the plans -> left-aligned [B, n] tensors + lengths [B]."""
+        if len(plans) == 1:  # nothing to pad: views of the one plan's events
+            p = plans[0]
+            events = (t[None].to(self.device) for t in (p.items, p.actions, p.timestamps))
+            return (*events, self.torch.tensor([p.items.shape[0]], device=self.device))
         pad = self.torch.nn.utils.rnn.pad_sequence
         lengths = self.torch.tensor([p.items.shape[0] for p in plans], dtype=self.torch.long)
         out = [pad([getattr(p, f) for p in plans], batch_first=True).to(self.device) for f in ("items", "actions", "timestamps")]
