@@ -118,6 +118,18 @@ def test_unknown_users_and_empty_appends(open_log):
     assert log.tail("u", 10) == UserLog(1, ["a"], [1], [5])
 
 
+def test_counts_of_more_users_than_one_query_takes(open_log):
+    """Counts read in one statement, or in several queries in one transaction: each user's own,
+    in the order asked, duplicates included."""
+    log = open_log()
+    users = [f"many-{i}" for i in range(1200)]
+    log.append_many([(u, 0, ["x"] * (i % 3), [1] * (i % 3), [7] * (i % 3)) for i, u in enumerate(users) if i % 3])
+    want = [i % 3 for i in range(1200)]
+    assert log.counts(users) == want
+    assert log.counts(users[:5] + users[:5]) == want[:5] * 2
+    assert log.counts(users[::-1] + ["nobody"]) == want[::-1] + [0]
+
+
 def test_bad_writes_are_rejected_before_anything_is_applied(open_log):
     log = open_log()
     good = ("u", 0, ["a"], [1], [1])
