@@ -363,9 +363,9 @@ class HSTUEncoder(nn.Module):
     def _append_fused(self, out: HistoryCache, items, actions, timestamps, rows: Sequence[int]) -> bool:
         """One event per user by the fused CPU kernel (``ops.cpu_kernels``), user b's written into
         row rows[b] of `out`'s buffers, after its rows[b] cached rows. False, with nothing written,
-        where it does not apply: training or autograd, tensors that are not float32 on the CPU,
-        the backend forced by GENREC_OPS_BACKEND, numba missing."""
-        if self.training or torch.is_grad_enabled():
+        where it does not apply: no users, training or autograd, tensors that are not float32 on the
+        CPU, the backend forced by GENREC_OPS_BACKEND, numba missing."""
+        if self.training or torch.is_grad_enabled() or not len(rows):
             return False
         kernels = ops.fused_cpu_kernels(out.keys, out.values, out.states, self.item_embedding.weight)
         weights = self._fused_weights() if kernels is not None else None
