@@ -221,15 +221,22 @@ STAGE_STATS = ("queue", "compute_input", "compute_infer", "compute_output")
 IN_PROCESS_PART = {P.ENSEMBLE: "total", P.ENCODER: "encoder", P.DECODER: "decoder", P.RANKER: "ranker"}
 
 
-def server_statistics(client) -> dict:
-    """model -> {"success": count, "success_ns", and per STAGE_STATS: total ns} (Triton's own counters)."""
+def server_statistics(client, model: str = "") -> dict:
+    """model -> {"success": count, "success_ns", "requests" (inferences), "executions" (calls of the model,
+    each a batch), and per STAGE_STATS: total ns} (Triton's own counters); every model, or only `model`."""
     out = {}
-    for m in client.get_inference_statistics(as_json=True).get("model_stats", []):
+    for m in client.get_inference_statistics(model_name=model, as_json=True).get("model_stats", []):
         st = m.get("inference_stats", {})
-        row = {"success": int(st.get("success", {}).get("count", 0)), "success_ns": int(st.get("success", {}).get("ns", 0))}
+        row = {"success": int(st.get("success", {}).get("count", 0)), "success_ns": int(st.get("success", {}).get("ns", 0)),
+               "requests": int(m.get("inference_count", 0)), "executions": int(m.get("execution_count", 0))}
         row |= {k: int(st.get(k, {}).get("ns", 0)) for k in STAGE_STATS}
         out[m["name"]] = row
     return out
+
+
+def compute_infer_ns(client, model: str) -> int:
+    """Triton's cumulative compute_infer of one model (ns)."""
+    return server_statistics(client, model)[model]["compute_infer"]
 
 
 def _add_delta(acc: dict, before: dict, after: dict) -> None:

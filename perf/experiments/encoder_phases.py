@@ -54,17 +54,12 @@ TritonPythonModel.finalize = _finalize_and_write
 '''
 
 
-def encoder_compute_ns(client) -> int:
-    for m in client.get_inference_statistics(model_name=P.ENCODER, as_json=True).get("model_stats", []):
-        return int(m.get("inference_stats", {}).get("compute_infer", {}).get("ns", 0))
-    return 0
-
-
 def drive(url: str, events: tuple, options: dict, warmup: int, reps: int) -> dict:
     """Per kind: the client's latencies and the encoder's compute_infer (ms), `reps` requests after `warmup`."""
     import tritonclient.grpc as grpcclient
 
     from clients.client import RecommenderClient
+    from perf.served import compute_infer_ns
 
     client, stats = RecommenderClient(url), grpcclient.InferenceServerClient(url)
     items, actions, ts = events
@@ -78,11 +73,11 @@ def drive(url: str, events: tuple, options: dict, warmup: int, reps: int) -> dic
     for kind, call in (("recommend", lambda: client.recommend("phases", **options)), ("append", append)):
         latency, compute = [], []
         for i in range(warmup + reps):
-            before = encoder_compute_ns(stats)
+            before = compute_infer_ns(stats, P.ENCODER)
             ms = call().latency_ms
             if i >= warmup:
                 latency.append(ms)
-                compute.append((encoder_compute_ns(stats) - before) / 1e6)
+                compute.append((compute_infer_ns(stats, P.ENCODER) - before) / 1e6)
         out[kind] = dict(client_p50_ms=statistics.median(latency), encoder_compute_p50_ms=statistics.median(compute))
     client.close_session("phases")
     client.close()

@@ -16,7 +16,6 @@ import resource
 import shutil
 import statistics
 import tempfile
-import time
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -58,36 +57,27 @@ def process_cpu_s(root_pid: int) -> dict:
     return out
 
 
-def stage_counts(client) -> dict:
-    out = {}
-    for m in client.get_inference_statistics(as_json=True).get("model_stats", []):
-        s = m.get("inference_stats", {})
-        out[m["name"]] = dict(requests=int(m.get("inference_count", 0)), executions=int(m.get("execution_count", 0)),
-                              compute_ns=int(s.get("compute_infer", {}).get("ns", 0)))
-    return out
-
-
 def measure(server, tag: str, input_json: Path, concurrency: int, steps: int, env: dict, work: Path, interval_ms: int,
             id_start: int) -> dict:
     import tritonclient.grpc as grpcclient
 
-    from perf.served import run_perf_analyzer
+    from perf.served import run_perf_analyzer, server_statistics
 
     client = grpcclient.InferenceServerClient(server.grpc_url)
     run_perf_analyzer(server.grpc_url, input_json, concurrency, steps, env, work / f"warm_{tag}.csv",
                       id_start=id_start, request_count=300)  # warm-up: one window, no stability asked
-    cpu0, stats0, kids0 = process_cpu_s(server.pid), stage_counts(client), resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu0, stats0, kids0 = process_cpu_s(server.pid), server_statistics(client), resource.getrusage(resource.RUSAGE_CHILDREN)
     row = run_perf_analyzer(server.grpc_url, input_json, concurrency, steps, env, work / f"{tag}.csv", interval_ms,
                             id_start=id_start + 500_000)
-    cpu1, stats1, kids1 = process_cpu_s(server.pid), stage_counts(client), resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu1, stats1, kids1 = process_cpu_s(server.pid), server_statistics(client), resource.getrusage(resource.RUSAGE_CHILDREN)
     requests = stats1[P.ENSEMBLE]["requests"] - stats0[P.ENSEMBLE]["requests"]
     per_request = {role: (cpu1[role] - cpu0.get(role, 0.0)) * 1e3 / requests for role in cpu1}
     per_request["perf_analyzer"] = (kids1.ru_utime + kids1.ru_stime - kids0.ru_utime - kids0.ru_stime) * 1e3 / requests
     stages = {}
     for s in STAGES:
-        n = {k: stats1[s][k] - stats0[s][k] for k in ("requests", "executions", "compute_ns")}
+        n = {k: stats1[s][k] - stats0[s][k] for k in ("requests", "executions", "compute_infer")}
         stages[s] = dict(batch=n["requests"] / max(n["executions"], 1),
-                         compute_per_execution_ms=n["compute_ns"] / 1e6 / max(n["executions"], 1))
+                         compute_per_execution_ms=n["compute_infer"] / 1e6 / max(n["executions"], 1))
     return dict(throughput_per_s=row["throughput_per_s"], p50_ms=row["p50_ms"], p99_ms=row["p99_ms"],
                 requests_counted=requests, cpu_ms_per_request=per_request,
                 server_cpu_ms_per_request=sum(v for k, v in per_request.items() if k != "perf_analyzer"), stages=stages)

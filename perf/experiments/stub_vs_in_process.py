@@ -28,13 +28,6 @@ from perf.common import RESULTS_DIR, host_load, log, save_result
 DEFAULT_CHECKPOINT = Path("runs/bench/model.pt")
 
 
-def decoder_compute_ns(client) -> int:
-    """Triton's cumulative compute_infer of the decoder (ns)."""
-    for m in client.get_inference_statistics(model_name=P.DECODER, as_json=True).get("model_stats", []):
-        return int(m.get("inference_stats", {}).get("compute_infer", {}).get("ns", 0))
-    return 0
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT)
@@ -52,7 +45,7 @@ def main(argv=None):
     from backend_src.decoding.cuda_graphs import DecodeGraphs
     from backend_src.model.recommender import GenerativeRecommender
     from export.triton_configs import ServingOptions
-    from perf.served import long_history, same_runtime_as_the_server
+    from perf.served import compute_infer_ns, long_history, same_runtime_as_the_server
     from perf.floor import floor_server
     from perf.served_eval import local_server
 
@@ -91,14 +84,14 @@ def main(argv=None):
                 raise SystemExit(f"history {n}: the served decode's candidates differ from the in-process ones")
             stub, after_switch, back_to_back, noop = [], [], [], []
             for i in range(reps + 5):
-                before = decoder_compute_ns(client)
+                before = compute_infer_ns(client, P.DECODER)
                 client.infer(P.DECODER, [inp])
-                infer_ms = (decoder_compute_ns(client) - before) / 1e6
+                infer_ms = (compute_infer_ns(client, P.DECODER) - before) / 1e6
                 switched, _ = local()
                 warm, _ = local()
-                before = decoder_compute_ns(floor_client)
+                before = compute_infer_ns(floor_client, P.DECODER)
                 floor_client.infer(P.DECODER, [inp])
-                noop_ms = (decoder_compute_ns(floor_client) - before) / 1e6
+                noop_ms = (compute_infer_ns(floor_client, P.DECODER) - before) / 1e6
                 if i >= 5:  # warm-up
                     noop.append(noop_ms)
                     stub.append(infer_ms)
