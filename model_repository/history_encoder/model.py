@@ -26,12 +26,14 @@ import json
 import os
 import sys
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
 LOG_SWEEP_INTERVAL_S = 600.0
+LOG_WRITE_ASIDE_EVENTS = 16  # a round writing this many events or more writes them beside the encode
 
 
 def _params(args) -> dict:
@@ -136,6 +138,8 @@ class TritonPythonModel:
         # collections and full collections are made rare.
         gc.freeze()
         gc.set_threshold(700, 10, 1000)
+        # long durable writes run on their own thread while this one encodes (see _encode_and_log)
+        self._log_writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="event-log-write")
         self._stop = threading.Event()
         self._sweeper = threading.Thread(target=self._sweep_log, daemon=True, name="event-log-retention")
         self._sweeper.start()
@@ -348,6 +352,31 @@ class TritonPythonModel:
         if logged:
             self._count(self.m_logged, logged)
 
+    def _encode_and_log(self, plans, errors: dict) -> None:
+        """Encode the plans' events and write them to the log; no answer leaves before both are done.
+        The two need nothing of each other, so a long write (an open's history: 512 events take 2-3 ms
+        of SQLite statements and fsync, which let go of the GIL) runs on the log's thread while this one
+        encodes. A short one (an append's few events) runs after the encode, on this thread: beside the
+        encode it gained nothing, the hand-off and the contention for the GIL costing what it saved."""
+        log_errors = {}
+        aside = sum(len(p.new[0]) for p in plans) >= LOG_WRITE_ASIDE_EVENTS
+        written = self._log_writer.submit(self._write_log, plans, log_errors) if aside else None
+        try:
+            self._run(plans)
+        except Exception as e:  # noqa: BLE001 - the batch fails
+            errors.update({p.index: e for p in plans})
+            if aside:  # the log took the events (unacknowledged): the next request rebuilds the sessions from it,
+                for p in plans:  # and a retry with EVENTS_BEFORE is answered from what was logged, applied once
+                    self.store.discard(p.key)
+        try:
+            if written is not None:
+                written.result()
+            else:
+                self._write_log([p for p in plans if p.index not in errors], log_errors)
+            errors.update(log_errors)
+        except Exception as e:  # noqa: BLE001 - nothing was acknowledged: the requests fail, the client retries
+            errors.update({p.index: self._log_unavailable(e) for p in plans if p.index not in errors})
+
     def _commit(self, p) -> None:
         items, actions, ts = p.history
         self.store.put(p.key, self.Session(cache=p.cache, items=items, actions=actions, timestamps=ts, count=p.count))
@@ -415,15 +444,7 @@ class TritonPythonModel:
             except Exception as e:  # noqa: BLE001
                 errors[p.index] = e
         plans = ready
-        try:
-            self._run(plans)
-        except Exception as e:  # noqa: BLE001 - the batch fails, the sessions stay as they were
-            errors.update({p.index: e for p in plans})
-            plans = []
-        try:
-            self._write_log(plans, errors)
-        except Exception as e:  # noqa: BLE001 - nothing was acknowledged: the requests fail, the client retries
-            errors.update({p.index: self._log_unavailable(e) for p in plans})
+        self._encode_and_log(plans, errors)
         for p in plans:
             if p.index in errors:
                 continue
@@ -455,5 +476,6 @@ class TritonPythonModel:
 
     def finalize(self):
         self._stop.set()
+        self._log_writer.shutdown(wait=True)
         self.store.clear()
         self.log.close()

@@ -1,11 +1,12 @@
 """Where the history encoder's time goes inside its Triton stub, phase by phase. The benchmark model is published
 into a temporary repository whose copy of the encoder's model.py gets timers around its phases (parse and check
-the request, plan, the base history, encode, write the log, cache, build the response, publish the metrics; the
-log's count read is the round minus those), written out when the server unloads the model. One client sends, one
-at a time, requests with no events to a cached 50-event session, then one-event appends to it; Triton's
-compute_infer of the encoder is read around each, and the floor's no-op encoder (perf/floor) is timed the same way
-for what the stub and Triton cost without the work. Run from the repository root (needs the benchmark model,
-`make bench-served` trains it):
+the request, plan, the base history, encode and write the log (side by side, each timed too), cache, build the
+response, publish the metrics; the log's count read is the round minus those), written out when the server unloads
+the model. One client sends, one at a time, requests with no events to a cached 50-event session, then one-event
+appends to it, then opens of new sessions with 512 events (a visit of one request each); Triton's compute_infer of
+the encoder is read around each, and the floor's no-op encoder (perf/floor) is timed the same way for what the stub
+and Triton cost without the work. Run from the repository root (needs the benchmark model, `make bench-served`
+trains it):
     python -m perf.experiments.encoder_phases            # -> perf/results/encoder_phases.json
     python -m perf.experiments.encoder_phases --quick --out -
 """
@@ -19,26 +20,36 @@ from backend_src.serving import protocol as P
 from perf.common import RESULTS_DIR, REPO_ROOT, host_load, log, save_result
 
 DEFAULT_CHECKPOINT = Path("runs/bench/model.pt")
-PHASES = ("_parse", "_plan", "_set_base", "_run", "_write_log", "_commit", "_response", "_round", "_publish_metrics", "execute")
+# (kind, history) in the order they are sent; each kind's requests are one execute each
+ROWS = (("recommend", 50), ("append", 50), ("open", 512))
 
-# appended to the published copy of the encoder's model.py: per-phase wall times, written at unload
+PHASES = ("_parse", "_plan", "_set_base", "_encode_and_log", "_commit", "_response", "_round", "_publish_metrics", "execute",
+          "_run", "_write_log")  # the round's steps first; the last two run side by side inside _encode_and_log
+
+# appended to the published copy of the encoder's model.py: per execute, each phase's wall time (summed over its
+# calls; a phase not run counts 0), written at unload
 TIMERS = '''
 
-def _timed(name, acc):
+def _timed(name, executes):
     import time
-    inner = getattr(TritonPythonModel, name)
+    inner = getattr(TritonPythonModel, name, None)
+    if inner is None:  # a phase an earlier commit's encoder does not have
+        return
 
     def timed(self, *args, **kwargs):
+        if name == "execute":
+            executes.append({})
         t0 = time.perf_counter()
         try:
             return inner(self, *args, **kwargs)
         finally:
-            acc.setdefault(name, []).append(time.perf_counter() - t0)
+            phases = executes[-1]
+            phases[name] = phases.get(name, 0.0) + time.perf_counter() - t0
 
     setattr(TritonPythonModel, name, timed)
 
 
-_PHASE_TIMES = {}
+_PHASE_TIMES = []
 for _name in %r:
     _timed(_name, _PHASE_TIMES)
 _finalize = TritonPythonModel.finalize
@@ -54,8 +65,9 @@ TritonPythonModel.finalize = _finalize_and_write
 '''
 
 
-def drive(url: str, events: tuple, options: dict, warmup: int, reps: int) -> dict:
-    """Per kind: the client's latencies and the encoder's compute_infer (ms), `reps` requests after `warmup`."""
+def drive(url: str, events: tuple, long_events: tuple, options: dict, warmup: int, reps: int) -> dict:
+    """Per kind: the client's latencies and the encoder's compute_infer (ms), `reps` requests after `warmup`; an
+    open is a new session's visit of one request with `long_events` (logged and encoded whole)."""
     import tritonclient.grpc as grpcclient
 
     from clients.client import RecommenderClient
@@ -70,7 +82,12 @@ def drive(url: str, events: tuple, options: dict, warmup: int, reps: int) -> dic
         step[0] += 1
         return client.append("phases", [items[step[0] % len(items)]], [actions[-1]], [ts[-1] + step[0]], **options)
 
-    for kind, call in (("recommend", lambda: client.recommend("phases", **options)), ("append", append)):
+    def open_new():
+        step[0] += 1
+        return client.open_session(f"phases-open-{step[0]}", *long_events, end_visit=True, **options)
+
+    calls = {"recommend": lambda: client.recommend("phases", **options), "append": append, "open": open_new}
+    for kind, call in ((kind, calls[kind]) for kind, _ in ROWS):
         latency, compute = [], []
         for i in range(warmup + reps):
             before = compute_infer_ns(stats, P.ENCODER)
@@ -108,7 +125,7 @@ def main(argv=None):
     reps, warmup = (10, 3) if args.quick else (args.reps, 20)
     load_start = host_load()
     data = load_dataset(args.data, max_users=args.max_users)
-    events = long_history(data, 50)
+    events, long_events = long_history(data, 50), long_history(data, 512)
     options = dict(top_k=10, beam_width=100, mode="pfa", pfa_k=256, pfa_r=0.5, selection_step=1)
     decode = DecodeOptions(mode="pfa", beam_width=100, k=256, r=0.5, selection_step=1)
     serving = ServingOptions(decode=decode, top_k=10, torch_threads=1, visit_idle_s=120)
@@ -118,17 +135,19 @@ def main(argv=None):
         model_py = repo / P.ENCODER / "1" / "model.py"
         model_py.write_text(model_py.read_text() + TIMERS % (PHASES, str(times_file)))
         with serve_repository(repo) as server:
-            served = drive(server.grpc_url, events, options, warmup, reps)
+            served = drive(server.grpc_url, events, long_events, options, warmup, reps)
         with floor_server(GenerativeRecommender.load(args.checkpoint).cfg, serving) as floor:
-            no_op = drive(floor.grpc_url, events, options, warmup, reps)
+            no_op = drive(floor.grpc_url, events, long_events, options, warmup, reps)
         times = json.loads(times_file.read_text())
     # the stage's executes in order: the open, then each kind's warm-up and timed requests, then the close
     rows = []
-    for k, kind in enumerate(("recommend", "append")):
+    for k, (kind, history) in enumerate(ROWS):
         first = 1 + k * (warmup + reps) + warmup
-        phases = {name: statistics.median(times[name][first:first + reps]) * 1e3 for name in PHASES}
-        phases["log_count_read_and_rest"] = phases["_round"] - sum(phases[n] for n in PHASES[:7])
-        rows.append(dict(kind=kind, history=50, reps=reps, **served[kind], floor_encoder_compute_p50_ms=no_op[kind]["encoder_compute_p50_ms"],
+        executes = times[first:first + reps]
+        phases = {name: statistics.median(e.get(name, 0.0) for e in executes) * 1e3 for name in PHASES}
+        phases["log_count_read_and_rest"] = statistics.median(
+            e["_round"] - sum(e.get(n, 0.0) for n in PHASES[:6]) for e in executes) * 1e3
+        rows.append(dict(kind=kind, history=history, reps=reps, **served[kind], floor_encoder_compute_p50_ms=no_op[kind]["encoder_compute_p50_ms"],
                          phases_p50_ms=phases))
         log(f"{kind}: encoder compute {served[kind]['encoder_compute_p50_ms']:.2f} ms (floor "
             f"{no_op[kind]['encoder_compute_p50_ms']:.2f}); execute {phases['execute']:.2f} ms: "
