@@ -10,16 +10,15 @@ trains it):
     python -m perf.experiments.encoder_phases            # -> perf/results/encoder_phases.json
     python -m perf.experiments.encoder_phases --quick --out -
 """
-import argparse
 import json
 import statistics
 import tempfile
 from pathlib import Path
 
 from backend_src.serving import protocol as P
-from perf.common import RESULTS_DIR, REPO_ROOT, host_load, log, save_result
+from perf.common import REPO_ROOT, host_load, log, save_result
+from perf.experiments import bench_model_parser
 
-DEFAULT_CHECKPOINT = Path("runs/bench/model.pt")
 # (kind, history) in the order they are sent; each kind's requests are one execute each
 ROWS = (("recommend", 50), ("append", 50), ("open", 512))
 
@@ -103,13 +102,8 @@ def drive(url: str, events: tuple, long_events: tuple, options: dict, warmup: in
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT)
-    ap.add_argument("--data", default="ml-1m")
-    ap.add_argument("--max-users", type=int, default=600)
+    ap = bench_model_parser(__doc__, "encoder_phases.json")
     ap.add_argument("--reps", type=int, default=300)
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--out", default=str(RESULTS_DIR / "encoder_phases.json"), help="'-': print only")
     args = ap.parse_args(argv)
 
     from backend_src.config import DecodeOptions

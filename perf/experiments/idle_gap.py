@@ -11,14 +11,13 @@ Conditions alternate request by request, so drift of the host cancels in the rat
     python -m perf.experiments.idle_gap            # -> perf/results/idle_gap.json
     python -m perf.experiments.idle_gap --quick --out -
 """
-import argparse
 import statistics
 import time
 from pathlib import Path
 
-from perf.common import RESULTS_DIR, host_load, log, save_result
+from perf.common import host_load, log, save_result
+from perf.experiments import bench_model_parser
 
-DEFAULT_CHECKPOINT = Path("runs/bench/model.pt")
 CONDITIONS = (("back to back", None, 0.0), ("sleep 1 ms", "sleep", 0.001), ("sleep 5 ms", "sleep", 0.005),
               ("sleep 20 ms", "sleep", 0.020), ("spin 20 ms", "spin", 0.020))
 
@@ -33,14 +32,9 @@ def pause(how, seconds: float) -> None:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT)
-    ap.add_argument("--data", default="ml-1m")
-    ap.add_argument("--max-users", type=int, default=600)
+    ap = bench_model_parser(__doc__, "idle_gap.json")
     ap.add_argument("--histories", type=int, nargs="+", default=[50, 512])
     ap.add_argument("--reps", type=int, default=200)
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--out", default=str(RESULTS_DIR / "idle_gap.json"), help="'-': print only")
     args = ap.parse_args(argv)
 
     from perf.served import InProcess, long_history, same_runtime_as_the_server

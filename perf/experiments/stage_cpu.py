@@ -9,7 +9,6 @@ Run from the repository root (needs the benchmark model, `make bench-served` tra
     python -m perf.experiments.stage_cpu --baseline-ref OLD_COMMIT     # -> perf/results/stage_cpu.json
     python -m perf.experiments.stage_cpu --quick --out -
 """
-import argparse
 import json
 import os
 import resource
@@ -20,9 +19,9 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from backend_src.serving import protocol as P
-from perf.common import RESULTS_DIR, REPO_ROOT, host_load, log, save_result
+from perf.common import REPO_ROOT, host_load, log, save_result
+from perf.experiments import bench_model_parser
 
-DEFAULT_CHECKPOINT = Path("runs/bench/model.pt")
 STAGES = (P.ENCODER, P.DECODER, P.RANKER)
 
 
@@ -84,17 +83,12 @@ def measure(server, tag: str, input_json: Path, concurrency: int, steps: int, en
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT)
-    ap.add_argument("--data", default="ml-1m")
-    ap.add_argument("--max-users", type=int, default=600)
+    ap = bench_model_parser(__doc__, "stage_cpu.json")
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--steps", type=int, default=10, help="requests per session: an open, then appends")
     ap.add_argument("--baseline-ref", default=None, help="an earlier commit measured in turn with this code")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--no-floor", dest="floor", action="store_false", help="skip the no-op ensemble")
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--out", default=str(RESULTS_DIR / "stage_cpu.json"), help="'-': print only")
     args = ap.parse_args(argv)
 
     from backend_src.config import DecodeOptions

@@ -14,7 +14,6 @@ trains it):
     python -m perf.experiments.stub_vs_in_process      # -> perf/results/stub_vs_in_process.json
     python -m perf.experiments.stub_vs_in_process --quick --out -
 """
-import argparse
 import statistics
 import time
 from pathlib import Path
@@ -23,20 +22,15 @@ import numpy as np
 import torch
 
 from backend_src.serving import protocol as P
-from perf.common import RESULTS_DIR, host_load, log, save_result
+from perf.common import host_load, log, save_result
+from perf.experiments import bench_model_parser
 
-DEFAULT_CHECKPOINT = Path("runs/bench/model.pt")
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT)
-    ap.add_argument("--data", default="ml-1m")
-    ap.add_argument("--max-users", type=int, default=600)
+    ap = bench_model_parser(__doc__, "stub_vs_in_process.json")
     ap.add_argument("--histories", type=int, nargs="+", default=[50, 512])
     ap.add_argument("--reps", type=int, default=300)
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--out", default=str(RESULTS_DIR / "stub_vs_in_process.json"), help="'-': print only")
     args = ap.parse_args(argv)
     import tritonclient.grpc as grpcclient
 
