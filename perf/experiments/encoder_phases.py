@@ -86,8 +86,8 @@ def drive(url: str, events: tuple, long_events: tuple, options: dict, warmup: in
         return client.open_session(f"phases-open-{step[0]}", *long_events, end_visit=True, **options)
 
     calls = {"recommend": lambda: client.recommend("phases", **options), "append": append, "open": open_new}
-    for kind, call in ((kind, calls[kind]) for kind, _ in ROWS):
-        latency, compute = [], []
+    for kind, _ in ROWS:
+        call, latency, compute = calls[kind], [], []
         for i in range(warmup + reps):
             before = compute_infer_ns(stats, P.ENCODER)
             ms = call().latency_ms

@@ -26,7 +26,6 @@ from perf.common import host_load, log, save_result
 from perf.experiments import bench_model_parser
 
 
-
 def main(argv=None):
     ap = bench_model_parser(__doc__, "stub_vs_in_process.json")
     ap.add_argument("--histories", type=int, nargs="+", default=[50, 512])

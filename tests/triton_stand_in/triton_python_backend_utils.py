@@ -1,6 +1,6 @@
 """The part of Triton's Python-backend API that this project's stages call, in plain Python, so a
 test can drive a stage's `execute` in one process (tests/test_encoder_stage.py). Requests and
-tensors hold numpy arrays; metrics are counted, not sent."""
+tensors hold numpy arrays; metrics go nowhere."""
 import numpy as np
 
 
@@ -22,13 +22,10 @@ class TritonError:
     UNKNOWN, INTERNAL, NOT_FOUND, INVALID_ARG, UNAVAILABLE, UNSUPPORTED, ALREADY_EXISTS, CANCELLED = range(8)
 
     def __init__(self, message, code=UNKNOWN):
-        self._message, self._code = message, code
+        self._message = message
 
     def message(self):
         return self._message
-
-    def code(self):
-        return self._code
 
 
 class InferenceRequest:
@@ -66,25 +63,20 @@ class Logger:
     def log_info(message):
         pass
 
-    log_warn = log_error = log_verbose = log_info
-
 
 class _Metric:
-    def __init__(self):
-        self.value = 0
-
     def increment(self, n):
-        self.value += n
+        pass
 
     def set(self, value):
-        self.value = value
+        pass
 
 
 class MetricFamily:
     COUNTER, GAUGE = 0, 1
 
     def __init__(self, name, description, kind):
-        self.name = name
+        pass
 
     def Metric(self, labels=None):  # noqa: N802 - Triton's name
         return _Metric()
