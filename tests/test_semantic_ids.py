@@ -165,8 +165,10 @@ def _toy_sequences():
     # items 1..3 co-occur, items 4..6 co-occur
     seqs = [[1, 2, 3, 1, 2], [4, 5, 6, 5], [2, 3, 1], [6, 4, 5, 4]]
     offsets = np.cumsum([0] + [len(s) for s in seqs])
+    items = np.concatenate(seqs)
     return SimpleNamespace(
-        offsets=offsets, items=np.concatenate(seqs), num_items=6, item_text=None, item_attributes=None
+        offsets=offsets, lengths=np.diff(offsets), items=items, actions=np.zeros_like(items),
+        timestamps=np.zeros_like(items), num_items=6, item_text=None, item_attributes=None,
     )
 
 
@@ -179,21 +181,23 @@ def test_collaborative_embeddings_groups_co_occurring_items():
     assert sim[0, 1] > sim[0, 4] and sim[3, 4] > sim[3, 1]
 
 
+@pytest.mark.parametrize("sources", ["collaborative", "sequential"])
 @pytest.mark.parametrize("end_offset", [2, 1])
-def test_item_embeddings_never_see_validation_or_test_events(end_offset):
+def test_item_embeddings_never_see_validation_or_test_events(end_offset, sources):
     """The tokenizer is fit before training: each user's last end_offset events (2: the
-    validation and test targets; 1: a refit's test target) must not move the collaborative
-    embeddings, while the earlier events do."""
+    validation and test targets; 1: a refit's test target) must not move the collaborative or
+    sequential embeddings, while the earlier events do."""
     data = _toy_sequences()
-    base = build_item_embeddings(data, dim=4, end_offset=end_offset)
+    build = lambda d: build_item_embeddings(d, dim=4, end_offset=end_offset, sources=sources)  # noqa: E731
+    base = build(data)
     held_out = np.concatenate([np.arange(e - end_offset, e) for e in data.offsets[1:]])
     changed = SimpleNamespace(**vars(data))
     changed.items = data.items.copy()
     changed.items[held_out] = 7 - changed.items[held_out]  # other items in the targets' place
-    assert torch.equal(build_item_embeddings(changed, dim=4, end_offset=end_offset), base)
+    assert torch.equal(build(changed), base)
     trained = 0 if end_offset == 2 else data.offsets[1] - 2  # a training event (for the refit: a validation target)
     changed.items[trained] = 7 - changed.items[trained]
-    assert not torch.equal(build_item_embeddings(changed, dim=4, end_offset=end_offset), base)
+    assert not torch.equal(build(changed), base)
 
 
 def test_build_item_embeddings_and_codebook_build():

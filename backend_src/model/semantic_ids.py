@@ -260,9 +260,33 @@ def _unit_rows(x: torch.Tensor) -> torch.Tensor:
     return x / x.norm(dim=1, keepdim=True).clamp_min(1e-12)
 
 
+def sequential_embeddings(data, end_offset: int = 2, dim: int = 64, epochs: int = 10, seed: int = 0,
+                          max_len: int = 50, batch_size: int = 128) -> torch.Tensor:
+    """The item table of a small SASRec trained for `epochs` on the training events (each user's
+    events but the last end_offset; next item, softmax over all items): embeddings that carry
+    which item follows which, not only which items co-occur. Returns [num_items, dim]."""
+    from backend_src.data.sequences import length_bucketed, train_batches
+    from backend_src.model.sasrec import SASRec, SASRecConfig
+
+    torch.manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    model = SASRec(SASRecConfig(num_items=int(data.num_items), hidden=dim, max_len=max_len, dropout=0.3))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, betas=(0.9, 0.98))
+    model.train()
+    for _ in range(epochs):
+        batches = train_batches(data, batch_size * 16, max_len, rng=rng, end_offset=end_offset)
+        for batch in length_bucketed(batches, batch_size, rng):
+            loss = model.loss(batch.items, batch.targets)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+    return model.item_emb.weight.detach()[1:].clone()
+
+
 # text: TF-IDF + SVD of the item text; text-encoder: the same text through a pretrained sentence encoder
-# (text_encoder.py); collaborative: co-occurrence in the training events
-ITEM_EMBEDDING_SOURCES = ("auto", "text", "text-encoder", "collaborative", "text+collaborative")
+# (text_encoder.py); collaborative: co-occurrence in the training events; sequential: the item table of a
+# SASRec trained on the training events
+ITEM_EMBEDDING_SOURCES = ("auto", "text", "text-encoder", "collaborative", "text+collaborative", "sequential")
 
 
 def build_item_embeddings(
@@ -302,6 +326,8 @@ def build_item_embeddings(
     if "collaborative" in wanted:
         offsets, items = training_events(data, end_offset)
         parts.append(_unit_rows(collaborative_embeddings(offsets, items, num_items, dim, window, seed)))
+    if "sequential" in wanted:
+        parts.append(_unit_rows(sequential_embeddings(data, end_offset, dim, seed=seed)))
     emb = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1) / math.sqrt(len(parts))
     attrs = getattr(data, "item_attributes", None)
     if attrs:
