@@ -35,26 +35,26 @@ GRID = {"w_rank": (0.25, 0.5, 0.75, 1.0, 1.5), "w_dense": (0.0, 0.25, 0.5, 1.0),
 
 
 @torch.no_grad()
-def retrieval_log_probs(model, states, lengths, items):
+def retrieval_log_probs(model, states, lengths, items, per_level=False):
     """log p(semantic ID of item | history) [B, C] for items [B, C] (0 = none: -inf): the decoder
     run along each item's codes, full attention, each step's softmax over the codes that continue
-    an item (as the constrained beam search normalizes)."""
+    an item (as the constrained beam search normalizes). per_level: each code's term, [B, C, L]."""
     dec, cb = model.decoder, model.codebook
     B, C = items.shape
     codes = cb.codes[items].clamp_min(0)  # [B, C, L]
     user_state = states[torch.arange(B), lengths - 1]
     prefix = torch.zeros(B, C, dtype=torch.long)
     prefix_emb = torch.zeros(B, C, dec.d_model)
-    lp = torch.zeros(B, C)
+    lp = torch.zeros(B, C, dec.num_steps)
     for t in range(dec.num_steps):
         x, q = dec.query(user_state, prefix_emb, t)
         K, V = dec.project_step(states, t)
         logits = dec.head(x, ops.decode_attention(q, K, V, lengths), t) + cb.code_bias(prefix, t)
-        lp += torch.log_softmax(logits.float(), -1).gather(2, codes[..., t, None])[..., 0]
+        lp[..., t] = torch.log_softmax(logits.float(), -1).gather(2, codes[..., t, None])[..., 0]
         prefix = cb.advance(prefix, codes[..., t], t)
         if t + 1 < dec.num_steps:
             prefix_emb = prefix_emb + dec.code_embedding(codes[..., t], t)
-    return lp.masked_fill(items == 0, NEG_INF)
+    return (lp if per_level else lp.sum(-1)).masked_fill((items == 0)[..., None] if per_level else items == 0, NEG_INF)
 
 
 @torch.no_grad()

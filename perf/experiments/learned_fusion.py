@@ -1,0 +1,140 @@
+"""A learned served order: would a linear scorer over more of what the model knows about each of the
+beam's candidates order them better than `w * ranker logit + retrieval log-probability`?
+
+On the validation split of all users of a validation-run model (its training never saw the split):
+every candidate of the beam (PFA, beam 100) gets eight features: the log-probability of each of its
+semantic ID's codes (the decoder run along the ID, as `multi_source_candidates` does; their sum is
+the beam's score), the M-FALCON logit, the dense head's log-softmax, log(1 + the item's count in the
+training events), and whether the user has already seen it. A linear scorer, started at the served
+order's weights (1 per code, the checkpoint's `w` for the logit, 0 for the rest), is fit by a softmax
+cross-entropy over each user's candidates (users whose target is among them), on one half of the users,
+and measured on the other half, and the other way round (two folds, split at random with a fixed seed),
+against the served order on the same users, once per seen-item policy.
+
+Needs the validation-run model (`make train-beauty`). Run from the repository root:
+    python -m perf.experiments.learned_fusion        # -> perf/results/learned_fusion.json
+    python -m perf.experiments.learned_fusion --users 2000 --out -   # quick check
+"""
+import argparse
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from backend_src.config import DecodeOptions
+from backend_src.data.loaders import load_dataset
+from backend_src.data.sequences import eval_batches, item_popularity
+from backend_src.evaluation import SEEN_POLICIES
+from backend_src.metrics import METRIC_NAMES
+from backend_src.model.recommender import GenerativeRecommender, seen_in_history
+from perf.common import RESULTS_DIR, host_load, log, save_result
+from perf.experiments.multi_source_candidates import NEG_INF, metrics, retrieval_log_probs
+
+FEATURES = ("log_prob_code0", "log_prob_code1", "log_prob_code2", "log_prob_code3", "ranker_logit",
+            "dense_log_softmax", "log_popularity", "seen")
+
+
+@torch.no_grad()
+def collect(model, data, dense_top=0, users=None):
+    """Per validation user: the beam's candidates (then the dense head's top `dense_top` items not
+    among them; 0 = a duplicate), their features [U, C, F], the history and the target."""
+    opts = DecodeOptions(mode="pfa", beam_width=100, k=256)
+    log_popularity = torch.from_numpy(np.log1p(item_popularity(data, end_offset=2))).float()
+    parts = {k: [] for k in ("union", "features", "history", "target")}
+    for b in eval_batches(data, split="valid", batch_size=128, max_len=model.cfg.max_seq_len, users=users):
+        cache = model.encode(b.items, b.actions, b.timestamps, b.lengths)
+        items = model.retrieve(cache, opts).item_ids
+        last = cache.states[torch.arange(len(b.lengths)), b.lengths - 1]
+        dense = torch.log_softmax(model.dense_scores(last), -1)
+        if dense_top:
+            top = torch.topk(dense, dense_top, 1).indices
+            items = torch.cat([items, top.masked_fill((top[:, :, None] == items[:, None, :]).any(-1), 0)], 1)
+        levels = retrieval_log_probs(model, cache.states, cache.lengths, items, per_level=True)  # [B, C, L]
+        dense = dense.gather(1, items)
+        history = torch.zeros(len(b.lengths), model.cfg.max_seq_len, dtype=torch.long)
+        history[:, :b.items.shape[1]] = b.items
+        seen = seen_in_history(items, history).float()
+        features = torch.cat([levels, model.rank(cache, items)[..., None], dense[..., None],
+                              log_popularity[items][..., None], seen[..., None]], -1)
+        for k, v in (("union", items), ("features", features), ("history", history), ("target", b.target_items)):
+            parts[k].append(v)
+    return {k: torch.cat(v) for k, v in parts.items()}
+
+
+def fit(x, valid, target_pos, w0, steps=300, l2=1e-3):
+    """Linear weights [F] by the mean softmax cross-entropy of the target over each row's valid
+    candidates (rows with the target among them), plus l2 * |w - w0|^2."""
+    rows = target_pos >= 0
+    x, valid, target_pos = x[rows], valid[rows], target_pos[rows]
+    x = torch.where(valid[..., None], x, torch.zeros(()))  # -inf features of empty slots never enter
+    w = w0.clone().requires_grad_(True)
+    opt = torch.optim.LBFGS([w], lr=0.5, max_iter=steps, line_search_fn="strong_wolfe")
+
+    def closure():
+        opt.zero_grad()
+        scores = (x @ w).masked_fill(~valid, NEG_INF)
+        loss = torch.nn.functional.cross_entropy(scores, target_pos) + l2 * (w - w0).square().sum()
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    return w.detach()
+
+
+def two_folds(p, w_rank, exclude, seed=0):
+    """The served order and the learned one, each measured on the half of the users the weights were
+    not fit on, both folds; means over the folds weighted by users."""
+    x = p["features"]
+    seen = x[..., FEATURES.index("seen")] > 0
+    valid = (p["union"] > 0) & torch.isfinite(x).all(-1) & ~(seen & exclude)
+    hit = (p["union"] == p["target"][:, None]) & valid
+    target_pos = torch.where(hit.any(1), hit.float().argmax(1), torch.full_like(p["target"], -1))
+    w0 = torch.tensor([1.0, 1.0, 1.0, 1.0, w_rank, 0.0, 0.0, 0.0])
+    order = torch.from_numpy(np.random.default_rng(seed).permutation(len(x)))
+    halves = (order[: len(x) // 2], order[len(x) // 2:])
+    sums = {"served": {}, "learned": {}}
+    weights = []
+    for fit_on, test_on in (halves, halves[::-1]):
+        w = fit(x[fit_on], valid[fit_on], target_pos[fit_on], w0)
+        weights.append([round(float(v), 4) for v in w])
+        sub = {k: v[test_on] for k, v in p.items()}
+        for name, wv in (("served", w0), ("learned", w)):
+            scores = torch.where(valid[test_on][..., None], x[test_on], torch.zeros(())) @ wv
+            m = metrics(sub, scores.masked_fill(~valid[test_on], NEG_INF), sub["union"], exclude)
+            for k in METRIC_NAMES:
+                sums[name][k] = sums[name].get(k, 0.0) + m[k] * len(test_on)
+    out = {name: {k: v / len(x) for k, v in s.items()} for name, s in sums.items()}
+    out["weights_per_fold"] = weights
+    out["target_among_candidates"] = float((target_pos >= 0).float().mean())
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--data", default="amazon-beauty")
+    ap.add_argument("--checkpoint", default="runs/beauty/model.pt", help="a validation-run model")
+    ap.add_argument("--dense-top", type=int, default=0,
+                    help="also the dense head's top N items not among the beam's (multi_source_candidates' union)")
+    ap.add_argument("--users", type=int, default=0, help="the first N users (default 0: all)")
+    ap.add_argument("--out", type=Path, default=RESULTS_DIR / "learned_fusion.json", help="'-': print only")
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+    load_start = host_load()
+    model = GenerativeRecommender.load(args.checkpoint).eval()
+    data = load_dataset(args.data)
+    users = np.arange(min(args.users, data.num_users)) if args.users else None
+    p = collect(model, data, args.dense_top, users)
+    rows = []
+    for exclude in (False, True):
+        r = two_folds(p, model.cfg.fusion_weight(exclude), exclude)
+        rows.append(dict(dataset=args.data, checkpoint=args.checkpoint, seen=SEEN_POLICIES[exclude], users=len(p["target"]),
+                         dense_top=args.dense_top, features=list(FEATURES), **r))
+        for name in ("served", "learned"):
+            log(f"{SEEN_POLICIES[exclude]} {name}: " + " ".join(f"{m}={r[name][m]:.4f}" for m in METRIC_NAMES))
+        log(f"weights per fold: {r['weights_per_fold']}")
+    if str(args.out) != "-":
+        save_result(args.out, rows, "perf.experiments.learned_fusion", None, load_start)
+
+
+if __name__ == "__main__":
+    main()
