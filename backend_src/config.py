@@ -99,6 +99,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     stochastic_length_alpha: float = 2.0  # 2.0 = off; the HSTU paper uses about 1.6 for long histories
     ranker_weight: float = 1.0
+    ranker_positions: int = 1  # history positions per user a training batch ranks candidates at
     # the auxiliary dense loss (last state . item embeddings): its weight (0 = off) and the shared
     # uniform negatives of its sampled softmax (0 = a softmax over the whole catalog)
     dense_weight: float = 1.0

@@ -120,11 +120,12 @@ def losses(model: GenerativeRecommender, batch, sampler: NegativeSampler, tcfg: 
     valid = targets > 0
     dense_weight = tcfg.dense_weight
     if tcfg.ranker_weight > 0:
-        # one random position per user: its next item against sampled negatives
+        # random positions per user (ranker_positions of them, [B, P]): each one's next item against
+        # sampled negatives
         n_valid = valid.sum(1)
-        pos = (torch.rand(len(n_valid), generator=gen) * n_valid).long()
-        positives = targets.gather(1, pos[:, None]).squeeze(1)
-        negatives = sampler.sample(positives, model.cfg.ranker_negatives, gen)
+        pos = (torch.rand(len(n_valid), tcfg.ranker_positions, generator=gen) * n_valid[:, None]).long()
+        positives = targets.gather(1, pos)
+        negatives = sampler.sample(positives.reshape(-1), model.cfg.ranker_negatives, gen).view(*pos.shape, -1)
     dense_negatives = None
     if dense_weight > 0:
         n_neg = tcfg.dense_negatives
@@ -138,7 +139,7 @@ def losses(model: GenerativeRecommender, batch, sampler: NegativeSampler, tcfg: 
         n_pos = int(valid.sum())
         share["retrieval"] = share["dense"] = int(valid[rows].sum()) / max(n_pos, 1)
         if tcfg.ranker_weight > 0:
-            ranked = (positives > 0) & (pos < batch.lengths)  # the rows the ranker loss averages over
+            ranked = (positives > 0) & (pos < batch.lengths[:, None])  # what the ranker loss averages over
             n_ranked = int(ranked.sum())
             share["ranking"] = int(ranked[rows].sum()) / n_ranked if n_ranked else 0.0
             pos, positives, negatives = pos[rows], positives[rows], negatives[rows]

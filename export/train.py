@@ -127,6 +127,8 @@ def parse_args(argv=None):
     p.add_argument("--alpha", type=float, default=2.0, help="stochastic length alpha (2 = off)")
     p.add_argument("--shared-kv", action="store_true", help="PFA ablation: one K/V projection for all steps")
     p.add_argument("--ranker-weight", type=float, default=1.0)
+    p.add_argument("--ranker-positions", type=int, default=1,
+                   help="history positions per user at which a training batch ranks candidates (recipe: 1)")
     p.add_argument("--dense-weight", type=float, default=TrainConfig.dense_weight,
                    help="weight of the auxiliary dense loss (0: off)")
     p.add_argument("--dense-negatives", type=int,
@@ -198,6 +200,7 @@ def run(args, device):
         weight_decay=args.weight_decay,
         stochastic_length_alpha=args.alpha,
         ranker_weight=args.ranker_weight,
+        ranker_positions=args.ranker_positions,
         end_offset=1 if args.refit else 2,
         code_loss=args.code_loss,
         seed=args.seed,

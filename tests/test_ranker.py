@@ -145,6 +145,29 @@ def test_training_loss_matches_prefix_scoring(setup):
     torch.testing.assert_close(loss, ref, atol=ATOL, rtol=0)
 
 
+def test_training_loss_at_several_positions_per_user(setup):
+    """[B, P] positions: the mean over every (user, position), the same as each user's rows
+    repeated P times with one position each."""
+    cfg = tiny_config()
+    enc = make_encoder(cfg, seed=7).eval()
+    ranker = MFalconRanker(enc, cfg).eval()
+    items, actions, ts, lengths = make_batch([12, 30, 5], seed=25)
+    g = torch.Generator().manual_seed(5)
+    positions = torch.tensor([[10, 2], [3, 28], [0, 4]])
+    positives = torch.randint(1, cfg.num_items + 1, (3, 2), generator=g)
+    negatives = torch.randint(1, cfg.num_items + 1, (3, 2, 6), generator=g)
+    positives[1, 0] = 0  # skipped
+    rows = torch.tensor([0, 0, 1, 1, 2, 2])
+    with torch.no_grad():
+        loss = ranker.training_loss(enc(items, actions, ts, lengths), positions, positives, negatives)
+        ref = ranker.training_loss(enc(items[rows], actions[rows], ts[rows], lengths[rows]), positions.reshape(-1),
+                                   positives.reshape(-1), negatives.reshape(6, 6))
+    torch.testing.assert_close(loss, ref, atol=ATOL, rtol=0)
+    with torch.no_grad():  # not the first position's loss alone
+        first = ranker.training_loss(enc(items, actions, ts, lengths), positions[:, 0], positives[:, 0], negatives[:, 0])
+    assert abs(float(first) - float(loss)) > 1e-4
+
+
 def test_training_loss_backward(setup):
     cfg = tiny_config()
     enc = make_encoder(cfg, seed=7).train()

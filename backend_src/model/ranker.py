@@ -107,13 +107,17 @@ class MFalconRanker(nn.Module):
     def training_loss(
         self,
         cache: HistoryCache,  # from backbone.forward on the training batch (with gradients)
-        positions: torch.Tensor,  # [B] long: the last history row the candidates may see
-        positives: torch.Tensor,  # [B] long: the true next item (0 = skip this user)
-        negatives: torch.Tensor,  # [B, K] long: sampled negatives (0 = padding)
+        positions: torch.Tensor,  # [B] or [B, P] long: the last history row the candidates may see
+        positives: torch.Tensor,  # [B] or [B, P] long: the true next item (0 = skip this one)
+        negatives: torch.Tensor,  # [B, K] or [B, P, K] long: sampled negatives (0 = padding)
     ) -> torch.Tensor:
         """Sampled-softmax cross-entropy of the positive (index 0) against the negatives, with
-        candidates placed right after history row positions[b] (they see rows <= positions[b]).
-        Negatives equal to the positive are masked out."""
+        candidates placed right after history row positions[b] (they see rows <= positions[b]),
+        the mean over every (user, position). Negatives equal to the positive are masked out."""
+        if positions.dim() == 2:  # P positions per user: each user's rows once per position
+            if positions.shape[1] > 1:
+                cache = cache.select(torch.arange(cache.batch_size, device=cache.device).repeat_interleave(positions.shape[1]))
+            positions, positives, negatives = positions.reshape(-1), positives.reshape(-1), negatives.flatten(0, 1)
         candidates = torch.cat([positives[:, None], negatives], dim=1)  # [B, 1 + K]
         ts = cache.timestamps.gather(1, positions[:, None]).squeeze(1)
         states = self.candidate_states(cache, candidates, positions + 1, ts, microbatch_size=None)
