@@ -54,7 +54,8 @@ def retrieval_log_probs(model, states, lengths, items, per_level=False):
         prefix = cb.advance(prefix, codes[..., t], t)
         if t + 1 < dec.num_steps:
             prefix_emb = prefix_emb + dec.code_embedding(codes[..., t], t)
-    return (lp if per_level else lp.sum(-1)).masked_fill((items == 0)[..., None] if per_level else items == 0, NEG_INF)
+    lp = lp.masked_fill((items == 0)[..., None], NEG_INF)
+    return lp if per_level else lp.sum(-1)
 
 
 @torch.no_grad()
