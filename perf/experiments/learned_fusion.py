@@ -21,52 +21,34 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from backend_src.config import DecodeOptions
 from backend_src.data.loaders import load_dataset
-from backend_src.data.sequences import eval_batches, item_popularity
+from backend_src.data.sequences import item_popularity
 from backend_src.evaluation import SEEN_POLICIES
 from backend_src.metrics import METRIC_NAMES
 from backend_src.model.recommender import GenerativeRecommender, seen_in_history
 from perf.common import RESULTS_DIR, host_load, log, save_result
-from perf.experiments.multi_source_candidates import NEG_INF, metrics, retrieval_log_probs
+from perf.experiments.multi_source_candidates import NEG_INF, collect, metrics
 
 FEATURES = ("log_prob_code0", "log_prob_code1", "log_prob_code2", "log_prob_code3", "ranker_logit",
             "dense_log_softmax", "log_popularity", "seen")
 
 
-@torch.no_grad()
-def collect(model, data, dense_top=0, users=None):
-    """Per validation user: the beam's candidates (then the dense head's top `dense_top` items not
-    among them; 0 = a duplicate), their features [U, C, F], the history and the target."""
-    opts = DecodeOptions(mode="pfa", beam_width=100, k=256)
+def features(model, data, dense_top=0, users=None):
+    """Per validation user: multi_source_candidates' candidates (the beam's, then the dense head's top
+    `dense_top` items not among them; 0 = a duplicate), their FEATURES [U, C, F], the history and the target."""
+    p = collect(model, data, dense_top, users)
     log_popularity = torch.from_numpy(np.log1p(item_popularity(data, end_offset=2))).float()
-    parts = {k: [] for k in ("union", "features", "history", "target")}
-    for b in eval_batches(data, split="valid", batch_size=128, max_len=model.cfg.max_seq_len, users=users):
-        cache = model.encode(b.items, b.actions, b.timestamps, b.lengths)
-        items = model.retrieve(cache, opts).item_ids
-        last = cache.states[torch.arange(len(b.lengths)), b.lengths - 1]
-        dense = torch.log_softmax(model.dense_scores(last), -1)
-        if dense_top:
-            top = torch.topk(dense, dense_top, 1).indices
-            items = torch.cat([items, top.masked_fill((top[:, :, None] == items[:, None, :]).any(-1), 0)], 1)
-        levels = retrieval_log_probs(model, cache.states, cache.lengths, items, per_level=True)  # [B, C, L]
-        dense = dense.gather(1, items)
-        history = torch.zeros(len(b.lengths), model.cfg.max_seq_len, dtype=torch.long)
-        history[:, :b.items.shape[1]] = b.items
-        seen = seen_in_history(items, history).float()
-        features = torch.cat([levels, model.rank(cache, items)[..., None], dense[..., None],
-                              log_popularity[items][..., None], seen[..., None]], -1)
-        for k, v in (("union", items), ("features", features), ("history", history), ("target", b.target_items)):
-            parts[k].append(v)
-    return {k: torch.cat(v) for k, v in parts.items()}
+    seen = seen_in_history(p["union"], p["history"]).float()
+    x = torch.cat([p["levels"], p["rank"][..., None], p["dense"][..., None], log_popularity[p["union"]][..., None],
+                   seen[..., None]], -1)
+    return {"union": p["union"], "features": x, "history": p["history"], "target": p["target"]}
 
 
 def fit(x, valid, target_pos, w0, steps=300, l2=1e-3):
     """Linear weights [F] by the mean softmax cross-entropy of the target over each row's valid
-    candidates (rows with the target among them), plus l2 * |w - w0|^2."""
+    candidates (rows with the target among them), plus l2 * |w - w0|^2. x: features, 0 where not valid."""
     rows = target_pos >= 0
     x, valid, target_pos = x[rows], valid[rows], target_pos[rows]
-    x = torch.where(valid[..., None], x, torch.zeros(()))  # -inf features of empty slots never enter
     w = w0.clone().requires_grad_(True)
     opt = torch.optim.LBFGS([w], lr=0.5, max_iter=steps, line_search_fn="strong_wolfe")
 
@@ -89,6 +71,7 @@ def two_folds(p, w_rank, exclude, seed=0):
     valid = (p["union"] > 0) & torch.isfinite(x).all(-1) & ~(seen & exclude)
     hit = (p["union"] == p["target"][:, None]) & valid
     target_pos = torch.where(hit.any(1), hit.float().argmax(1), torch.full_like(p["target"], -1))
+    x = torch.where(valid[..., None], x, torch.zeros(()))  # -inf features of empty slots never enter
     w0 = torch.tensor([1.0, 1.0, 1.0, 1.0, w_rank, 0.0, 0.0, 0.0])
     order = torch.from_numpy(np.random.default_rng(seed).permutation(len(x)))
     halves = (order[: len(x) // 2], order[len(x) // 2:])
@@ -99,7 +82,7 @@ def two_folds(p, w_rank, exclude, seed=0):
         weights.append([round(float(v), 4) for v in w])
         sub = {k: v[test_on] for k, v in p.items()}
         for name, wv in (("served", w0), ("learned", w)):
-            scores = torch.where(valid[test_on][..., None], x[test_on], torch.zeros(())) @ wv
+            scores = x[test_on] @ wv
             m = metrics(sub, scores.masked_fill(~valid[test_on], NEG_INF), sub["union"], exclude)
             for k in METRIC_NAMES:
                 sums[name][k] = sums[name].get(k, 0.0) + m[k] * len(test_on)
@@ -123,7 +106,7 @@ def main():
     model = GenerativeRecommender.load(args.checkpoint).eval()
     data = load_dataset(args.data)
     users = np.arange(min(args.users, data.num_users)) if args.users else None
-    p = collect(model, data, args.dense_top, users)
+    p = features(model, data, args.dense_top, users)
     rows = []
     for exclude in (False, True):
         r = two_folds(p, model.cfg.fusion_weight(exclude), exclude)

@@ -61,9 +61,10 @@ def retrieval_log_probs(model, states, lengths, items, per_level=False):
 @torch.no_grad()
 def collect(model, data, dense_top, users=None):
     """Per validation user: the union of candidates (the beam's first, then the dense head's new
-    ones; 0 = a duplicate) with each one's three scores, the history and the target."""
+    ones; 0 = a duplicate) with each one's three scores (and its retrieval log-probability code by
+    code, "levels"), the history and the target."""
     opts = DecodeOptions(mode="pfa", beam_width=100, k=256)
-    parts = {k: [] for k in ("union", "log_prob", "rank", "dense", "history", "target", "beam_gap")}
+    parts = {k: [] for k in ("union", "log_prob", "levels", "rank", "dense", "history", "target", "beam_gap")}
     for b in eval_batches(data, split="valid", batch_size=128, max_len=model.cfg.max_seq_len, users=users):
         cache = model.encode(b.items, b.actions, b.timestamps, b.lengths)
         beams = model.retrieve(cache, opts)
@@ -72,12 +73,13 @@ def collect(model, data, dense_top, users=None):
         top = torch.topk(dense, dense_top, 1).indices
         new = top.masked_fill((top[:, :, None] == beams.item_ids[:, None, :]).any(-1), 0)
         union = torch.cat([beams.item_ids, new], 1)
-        log_prob = retrieval_log_probs(model, cache.states, cache.lengths, union)
+        levels = retrieval_log_probs(model, cache.states, cache.lengths, union, per_level=True)
+        log_prob = levels.sum(-1)
         live = torch.isfinite(beams.log_probs)
         parts["beam_gap"].append((log_prob[:, :beams.log_probs.shape[1]][live] - beams.log_probs[live]).abs().max()[None])
         history = torch.zeros(len(b.lengths), model.cfg.max_seq_len, dtype=torch.long)
         history[:, :b.items.shape[1]] = b.items
-        for k, v in (("union", union), ("log_prob", log_prob), ("rank", model.rank(cache, union)),
+        for k, v in (("union", union), ("log_prob", log_prob), ("levels", levels), ("rank", model.rank(cache, union)),
                      ("dense", dense.gather(1, union)), ("history", history), ("target", b.target_items)):
             parts[k].append(v)
     return {k: torch.cat(v) for k, v in parts.items()}
