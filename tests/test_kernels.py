@@ -398,6 +398,11 @@ def test_hstu_attention_own_keys_equals_the_general_mask(Nh, num_history):
     for _ in range(2):
         _close(R.hstu_attention(*args, shared=shared), ref, TOL[torch.float32])
     assert "hstu_own_layout" in shared and "hstu_layout" not in shared
+    # the history block's biases are computed for one query per row: queries at other positions are refused
+    moved = list(args)
+    moved[3] = moved[3] + torch.arange(M)[None]
+    with pytest.raises(ValueError, match="share one position"):
+        R.hstu_attention(*moved, shared={"own_keys": M})
 
 
 @pytest.mark.parametrize("shuffle", [False, True])

@@ -100,8 +100,10 @@ def hstu_attention(
     shared: a dict handed to every call with the same positions, timestamps, masks, table sizes
     and norm (the layers of one pass); the bias row indices and the mask are computed by the
     first call and reused by the others. shared["own_keys"] = M says the last M keys are the
-    queries' own (q_self[b, i] = Nk - M + i, M-FALCON's layout): the [M, M] block among them,
-    all masked but its diagonal, is then never computed.
+    queries' own (q_self[b, i] = Nk - M + i, M-FALCON's layout) and that the queries of a row share
+    one position and timestamp (the candidates' next position): the [M, M] block among them, all
+    masked but its diagonal, is then never computed, and the history block's biases and mask are
+    computed once per row.
     """
     M = q.shape[1]
     if shared is not None and shared.get("own_keys") == M:
@@ -137,14 +139,17 @@ def _hstu_weights(logits, layout, pos_bias, time_bias, scale):
     as row gathers of the [H, P] / [H, T] tables."""
     B, H, M, N = logits.shape
     rel, tb, weight = layout
-    bias = pos_bias.index_select(1, rel) + time_bias.index_select(1, tb)  # [H, B*M*N]
-    return F.silu(torch.add(bias.view(H, B, M, N).transpose(0, 1), logits, alpha=scale)).mul_(weight)
+    rows = rel.numel() // (B * N) if B * N else M  # M, or 1 where one row of biases serves all M queries
+    bias = pos_bias.index_select(1, rel) + time_bias.index_select(1, tb)  # [H, B*rows*N]
+    return F.silu(torch.add(bias.view(H, B, rows, N).transpose(0, 1), logits, alpha=scale)).mul_(weight)
 
 
 def _hstu_attention_own_keys(q, k, v, q_pos, k_pos, q_ts, k_ts, num_history, pos_bias, time_bias, time_base,
                              scale, norm, shared):
     """hstu_attention where query i's only non-history key is key Nh + i (Nh = Nk - M): the history
-    block [M, Nh] as a matrix product, each query's own key as a row-wise dot product."""
+    block [M, Nh] as a matrix product, each query's own key as a row-wise dot product. The M queries
+    of a row are M-FALCON's candidates, all at the row's next position and timestamp, so the bias
+    rows and the mask of the history block are one row per user, broadcast over the M."""
     B, M, H, _ = q.shape
     Nh = k.shape[1] - M
     k_hist, k_own, v_hist, v_own = k[:, :Nh], k[:, Nh:], v[:, :Nh], v[:, Nh:]
@@ -152,8 +157,11 @@ def _hstu_attention_own_keys(q, k, v, q_pos, k_pos, q_ts, k_ts, num_history, pos
     own_logits = (q * k_own).sum(-1).transpose(1, 2)  # [B, H, M]
     layout = shared.get("hstu_own_layout")
     if layout is None:
-        hist = _hstu_layout(q_pos, k_pos[:, :Nh], q_ts, k_ts[:, :Nh], num_history, None, pos_bias, time_bias,
-                            time_base, norm, logits.dtype)
+        if not (torch.jit.is_tracing() or torch.onnx.is_in_onnx_export()) and not (
+                bool((q_pos == q_pos[:, :1]).all()) and bool((q_ts == q_ts[:, :1]).all())):
+            raise ValueError("own_keys: the queries of a row must share one position and one timestamp")
+        hist = _hstu_layout(q_pos[:, :1], k_pos[:, :Nh], q_ts[:, :1], k_ts[:, :Nh], num_history, None, pos_bias,
+                            time_bias, time_base, norm, logits.dtype)  # [B, 1, 1, Nh]: one query stands for all
         own_rel = (q_pos - k_pos[:, Nh:]).clamp(0, pos_bias.shape[1] - 1)  # [B, M]
         own_tb = time_bucket(q_ts - k_ts[:, Nh:], time_bias.shape[1], time_base)
         layout = (hist, own_rel.reshape(-1), own_tb.reshape(-1))

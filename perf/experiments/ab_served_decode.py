@@ -20,18 +20,27 @@ from perf.common import RESULTS_DIR, host_load, interleaved, log, save_result, s
 PACKAGE = "backend_src"
 
 
-def load_package(root: Path) -> dict:
-    """Import the package found under `root` and return its modules, then take them out of sys.modules
-    so that another copy can be imported (the functions keep their own modules' globals)."""
+def load_package(root: Path, modules=("config", "model.recommender", "decoding.beam_search", "decoding.cuda_graphs")) -> dict:
+    """Import the package's `modules` found under `root` and return them, then take them out of
+    sys.modules so that another copy can be imported (the functions keep their own modules' globals)."""
     sys.path.insert(0, str(root))
     try:
         for name in [n for n in sys.modules if n == PACKAGE or n.startswith(PACKAGE + ".")]:
             del sys.modules[name]
-        for name in ("config", "model.recommender", "decoding.beam_search", "decoding.cuda_graphs"):
+        for name in modules:
             importlib.import_module(f"{PACKAGE}.{name}")
         return {n: sys.modules.pop(n) for n in list(sys.modules) if n == PACKAGE or n.startswith(PACKAGE + ".")}
     finally:
         sys.path.remove(str(root))
+
+
+def old_and_new(old: str, modules=None) -> dict:
+    """{"old": the package at commit `old` (exported with `git archive`), "new": the working tree's}."""
+    kw = {} if modules is None else {"modules": modules}
+    with tempfile.TemporaryDirectory() as tmp:
+        archive = subprocess.run(["git", "archive", old, PACKAGE], capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
+        return {"old": load_package(Path(tmp), **kw), "new": load_package(Path.cwd(), **kw)}
 
 
 def main(argv=None):
@@ -47,10 +56,7 @@ def main(argv=None):
     torch.set_num_threads(1)  # as the served stage runs
     load_start = host_load()
     old_rev = subprocess.run(["git", "rev-parse", "--short", args.old], capture_output=True, text=True, check=True).stdout.strip()
-    with tempfile.TemporaryDirectory() as tmp:
-        archive = subprocess.run(["git", "archive", args.old, PACKAGE], capture_output=True, check=True).stdout
-        subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
-        versions = {"old": load_package(Path(tmp)), "new": load_package(Path.cwd())}
+    versions = old_and_new(args.old)
     models, decoders = {}, {}
     for name, mods in versions.items():
         models[name] = mods[f"{PACKAGE}.model.recommender"].GenerativeRecommender.load(args.checkpoint)
