@@ -139,7 +139,7 @@ def _hstu_weights(logits, layout, pos_bias, time_bias, scale):
     as row gathers of the [H, P] / [H, T] tables."""
     B, H, M, N = logits.shape
     rel, tb, weight = layout
-    rows = rel.numel() // (B * N) if B * N else M  # M, or 1 where one row of biases serves all M queries
+    rows = weight.shape[2]  # M, or 1 where one row of biases serves all M queries
     bias = pos_bias.index_select(1, rel) + time_bias.index_select(1, tb)  # [H, B*rows*N]
     return F.silu(torch.add(bias.view(H, B, rows, N).transpose(0, 1), logits, alpha=scale)).mul_(weight)
 

@@ -34,15 +34,18 @@ def training_steps(versions, models, args):
     rng = np.random.default_rng(0)
     batches = list(seq.length_bucketed(seq.train_batches(data, 128 * 16, models["new"].cfg.max_seq_len, rng), 128, rng))
     batches = batches[: 3 if args.quick else args.steps]
+    samplers = {name: mods[f"{PACKAGE}.training"].NegativeSampler(m.codebook.codes, m.cfg.num_items, m.cfg.ranker_hard_fraction)
+                for (name, mods), m in zip(versions.items(), models.values())}
     rows = []
     for positions in args.positions:
+        tcfgs = {name: mods[f"{PACKAGE}.config"].TrainConfig(ranker_positions=positions, dense_negatives=1024)
+                 for name, mods in versions.items()}
+
         def step(name, batch, seed):
-            mods, model = versions[name], models[name]
-            training = mods[f"{PACKAGE}.training"]
-            tcfg = mods[f"{PACKAGE}.config"].TrainConfig(ranker_positions=positions, dense_negatives=1024)
-            sampler = training.NegativeSampler(model.codebook.codes, model.cfg.num_items, model.cfg.ranker_hard_fraction)
+            model = models[name]
             torch.manual_seed(seed)
-            parts = training.losses(model, batch, sampler, tcfg, torch.Generator().manual_seed(seed))
+            parts = versions[name][f"{PACKAGE}.training"].losses(model, batch, samplers[name], tcfgs[name],
+                                                                  torch.Generator().manual_seed(seed))
             sum(parts.values()).backward()
             model.zero_grad(set_to_none=True)
             return {k: float(v.detach()) for k, v in parts.items()}

@@ -20,7 +20,10 @@ from perf.common import RESULTS_DIR, host_load, interleaved, log, save_result, s
 PACKAGE = "backend_src"
 
 
-def load_package(root: Path, modules=("config", "model.recommender", "decoding.beam_search", "decoding.cuda_graphs")) -> dict:
+DECODE_MODULES = ("config", "model.recommender", "decoding.beam_search", "decoding.cuda_graphs")
+
+
+def load_package(root: Path, modules=DECODE_MODULES) -> dict:
     """Import the package's `modules` found under `root` and return them, then take them out of
     sys.modules so that another copy can be imported (the functions keep their own modules' globals)."""
     sys.path.insert(0, str(root))
@@ -34,13 +37,12 @@ def load_package(root: Path, modules=("config", "model.recommender", "decoding.b
         sys.path.remove(str(root))
 
 
-def old_and_new(old: str, modules=None) -> dict:
+def old_and_new(old: str, modules=DECODE_MODULES) -> dict:
     """{"old": the package at commit `old` (exported with `git archive`), "new": the working tree's}."""
-    kw = {} if modules is None else {"modules": modules}
     with tempfile.TemporaryDirectory() as tmp:
         archive = subprocess.run(["git", "archive", old, PACKAGE], capture_output=True, check=True).stdout
         subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
-        return {"old": load_package(Path(tmp), **kw), "new": load_package(Path.cwd(), **kw)}
+        return {"old": load_package(Path(tmp), modules), "new": load_package(Path.cwd(), modules)}
 
 
 def main(argv=None):
