@@ -86,6 +86,11 @@ class _Plan:
         self.count = logged  # events in the log after this request
         self.history = None  # (items, actions, timestamps) of the history rows once encoded
 
+    @property
+    def unchanged(self) -> bool:
+        """A recommend on the cached history: nothing to encode, log or cache."""
+        return self.session is not None and not self.reencode and self.items.shape[0] == 0
+
 
 class TritonPythonModel:
     def initialize(self, args):
@@ -263,6 +268,9 @@ class TritonPythonModel:
         if plan.session is not None:
             s = plan.session
             plan.base = (s.items, s.actions, s.timestamps)
+            if not len(plan.new[0]):  # a recommend on the cached history: nothing to check or look up
+                plan.items = plan.actions = plan.timestamps = s.items[:0]
+                return
         elif plan.restored:
             items = self.model.item_indices(tail.items, strict=False)
             keep = items > 0
@@ -309,8 +317,8 @@ class TritonPythonModel:
                     p.cache = c
             grow = [p for p in append if p.items.shape[0] > 0]
             for p in append:
-                if p.items.shape[0] == 0:
-                    p.cache = p.session.cache  # nothing new: recommend on the cached history
+                if p.unchanged:
+                    p.cache = p.session.cache
             if len(grow) == 1:  # one session: its new rows go into its cache's spare rows
                 p = grow[0]
                 p.cache = self.model.append(p.session.cache, *self._pad(grow), in_place=True)
@@ -322,7 +330,7 @@ class TritonPythonModel:
         for p in plans:
             if p.reencode:
                 p.history = (p.items, p.actions, p.timestamps)
-            elif p.items.shape[0] == 0:  # nothing appended: the cached history as it is
+            elif p.unchanged:
                 p.history = p.base
             else:
                 p.history = tuple(self.torch.cat([b, x]) for b, x in zip(p.base, (p.items, p.actions, p.timestamps)))
@@ -378,6 +386,8 @@ class TritonPythonModel:
             errors.update({p.index: self._log_unavailable(e) for p in plans if p.index not in errors})
 
     def _commit(self, p) -> None:
+        if p.unchanged:  # the cached session as it was: get() already marked it used
+            return
         items, actions, ts = p.history
         self.store.put(p.key, self.Session(cache=p.cache, items=items, actions=actions, timestamps=ts, count=p.count))
         if p.restored:
