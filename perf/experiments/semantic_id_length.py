@@ -13,6 +13,8 @@ Quality (--train DATA): the recipe trained once per length (`python -m export.tr
     python -m perf.experiments.semantic_id_length                       # timing -> semantic_id_length.json
     python -m perf.experiments.semantic_id_length --train amazon-scientific \
         --recipe-result perf/results/quality_scientific.json     # + quality (the recipe's run for L = 4)
+    python -m perf.experiments.semantic_id_length --train amazon-beauty --no-decode \
+        --recipe-result perf/results/train_beauty.json --out perf/results/semantic_id_length_beauty.json
     python -m perf.experiments.semantic_id_length --quick --out -       # a check that it runs
 """
 from __future__ import annotations
@@ -107,6 +109,7 @@ def main(argv=None):
     ap.add_argument("--train-args", default="", help="extra export.train flags for --train (e.g. '--epochs 10')")
     ap.add_argument("--recipe-result", help="the result file of a run of the recipe on DATA (export.train --results) "
                                             "to read the 4-code rows from instead of training it again")
+    ap.add_argument("--no-decode", action="store_true", help="quality only: skip the decode timing")
     ap.add_argument("--quick", action="store_true", help="tiny shapes, few repetitions (a check that it runs)")
     ap.add_argument("--out", default=None, help="result file ('-': print only; default perf/results/semantic_id_length.json)")
     ap.add_argument("--runs", default="runs/semantic-id-length", help="where --train puts its checkpoints")
@@ -120,7 +123,7 @@ def main(argv=None):
         shapes = {k: dict(v, items=min(v["items"], 600), history=min(v["history"], 64), users=2) for k, v in shapes.items()}
         beam, reps, phase_runs = 16, 2, 1
     rows = []
-    for shape, s in shapes.items():
+    for shape, s in ({} if args.no_decode else shapes).items():
         rows += decode_rows(shape, beam=beam, reps=reps, phase_runs=phase_runs, **s)
     extra = {}
     if args.train:
