@@ -14,7 +14,7 @@ Quality (--train DATA): the recipe trained once per length (`python -m export.tr
     python -m perf.experiments.semantic_id_length --train amazon-scientific \
         --recipe-result perf/results/quality_scientific.json     # + quality (the recipe's run for L = 4)
     python -m perf.experiments.semantic_id_length --train amazon-beauty --no-decode \
-        --recipe-result perf/results/train_beauty.json --out perf/results/semantic_id_length_beauty.json
+        --recipe-result perf/results/train_beauty.json --train-lengths 4 6 8 --out perf/results/semantic_id_length_beauty.json
     python -m perf.experiments.semantic_id_length --quick --out -       # a check that it runs
 """
 from __future__ import annotations
