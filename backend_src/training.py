@@ -72,7 +72,8 @@ class TrainState:
 
 
 def build_model(data, cfg: ModelConfig, embedding_dim: int = 64, seed: int = 0, end_offset: int = 2,
-                item_embeddings: str = "auto", balanced_codes: bool = False) -> GenerativeRecommender:
+                item_embeddings: str = "auto", balanced_codes: bool = False, quantizer: str = "kmeans",
+                log=None) -> GenerativeRecommender:
     """A fresh model whose semantic IDs are fit on each user's events but the last end_offset,
     from the item embeddings of `item_embeddings` (semantic_ids.build_item_embeddings' sources).
 
@@ -81,7 +82,8 @@ def build_model(data, cfg: ModelConfig, embedding_dim: int = 64, seed: int = 0, 
     codebook = None
     if dist.is_main():
         codebook = SemanticIdCodebook.build(data, cfg, dim=embedding_dim, seed=seed, end_offset=end_offset,
-                                            sources=item_embeddings, balanced=balanced_codes)
+                                            sources=item_embeddings, balanced=balanced_codes, quantizer=quantizer,
+                                            log=log)
     if dist.is_distributed():
         codes = dist.broadcast_object(codebook.codes if codebook is not None else None)
         codebook = SemanticIdCodebook.from_codes(codes)

@@ -44,7 +44,7 @@ from backend_src.data.loaders import load_dataset
 from backend_src.evaluation import evaluate
 from backend_src.metrics import METRIC_NAMES
 from backend_src.model.recommender import GenerativeRecommender
-from backend_src.model.semantic_ids import ITEM_EMBEDDING_SOURCES
+from backend_src.model.semantic_ids import ITEM_EMBEDDING_SOURCES, QUANTIZERS
 from backend_src.results import write_result
 from backend_src.training import build_model, train
 from export.evaluate import fusion_weights, result_rows, tune_fusion
@@ -145,6 +145,10 @@ def parse_args(argv=None):
                         "the data has it, else collaborative; text+collaborative = both side by side")
     p.add_argument("--balanced-codes", action="store_true",
                    help="each residual k-means level holds at most ceil(items / codes) items a code (not the recipe)")
+    p.add_argument("--quantizer", choices=QUANTIZERS, default="kmeans",
+                   help="how the item embeddings become codes: residual k-means (the recipe) or a learned "
+                        "residual quantizer (rq-vae), optionally pulled toward the items' co-occurrence embeddings "
+                        "(rq-vae-collaborative); measured variants, not the recipe")
     p.add_argument("--code-loss", choices=["all", "valid"], default="all",
                    help="each level's cross-entropy over all codes, or only those continuing the target's prefix "
                         "(the codes constrained beam search normalizes over)")
@@ -228,7 +232,7 @@ def run(args, device):
             dense_temperature=args.dense_temperature,
         )
         model = build_model(data, cfg, seed=args.seed, end_offset=tcfg.end_offset, item_embeddings=args.item_embeddings,
-                            balanced_codes=args.balanced_codes)
+                            balanced_codes=args.balanced_codes, quantizer=args.quantizer, log=say)
     if args.fusion_weight is not None:
         cfg.rank_fusion_weight, cfg.rank_fusion_weight_seen_excluded = args.fusion_weight
     say(f"semantic IDs: codebook sizes {cfg.codebook_sizes}")
@@ -267,6 +271,7 @@ def run(args, device):
         out, rows, config=cfg.to_dict(), train=vars(tcfg), train_seconds=state.seconds, epochs_run=state.epoch + 1,
         best_valid=state.best_metric, timing=test["timing"], processes=world, train_history=state.history,
         resumed_from=args.resume, item_embeddings=args.item_embeddings, balanced_codes=args.balanced_codes,
+        quantizer=args.quantizer,
     )
     for r in rows:
         print(f"{r['model']:>18} seen_excluded={r['seen_excluded']!s:5} "

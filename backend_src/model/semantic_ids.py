@@ -20,6 +20,9 @@ from torch import nn
 from backend_src.data.sequences import training_events
 
 NUM_LEVELS = 4  # the default length: 3 k-means levels + 1 collision code
+# residual k-means (the recipe); a learned residual quantizer; the same also pulled toward the items'
+# co-occurrence embeddings (rq_vae.py)
+QUANTIZERS = ("kmeans", "rq-vae", "rq-vae-collaborative")
 
 
 # --------------------------------------------------------------------------------------------
@@ -422,15 +425,29 @@ class SemanticIdCodebook(nn.Module):
     @classmethod
     def build(
         cls, data, cfg=None, dim: int = 64, iters: int = 25, seed: int = 0, embeddings: torch.Tensor | None = None,
-        end_offset: int = 2, sources: str = "auto", balanced: bool = False,
+        end_offset: int = 2, sources: str = "auto", balanced: bool = False, quantizer: str = "kmeans", log=None,
     ) -> "SemanticIdCodebook":
         """Embeddings of the items of `data` (fit on each user's events but the last end_offset)
-        -> L - 1 residual k-means levels (sizes from cfg.codebook_sizes[:-1], default 256 each
-        for L = 4) -> collision code -> codebook."""
+        -> L - 1 residual quantization levels (sizes from cfg.codebook_sizes[:-1], default 256 each
+        for L = 4; `quantizer`: residual k-means, or the learned RQ-VAE of rq_vae.py, optionally
+        aligned to the items' co-occurrence embeddings) -> collision code -> codebook."""
+        if quantizer not in QUANTIZERS:
+            raise ValueError(f"quantizer must be one of {QUANTIZERS}, got {quantizer!r}")
         sizes = tuple(cfg.codebook_sizes[:-1]) if cfg is not None else (256,) * (NUM_LEVELS - 1)
         if embeddings is None:
             embeddings = build_item_embeddings(data, dim=dim, seed=seed, end_offset=end_offset, sources=sources)
-        codes3 = residual_kmeans(embeddings, sizes, iters=iters, seed=seed, balanced=balanced)
+        if quantizer.startswith("rq-vae"):
+            if balanced:
+                raise ValueError("balanced codes are a residual k-means option")
+            from backend_src.model.rq_vae import rq_vae_codes
+
+            aligned = None
+            if quantizer == "rq-vae-collaborative":
+                offsets, items = training_events(data, end_offset)
+                aligned = collaborative_embeddings(offsets, items, int(data.num_items), dim, seed=seed)
+            codes3 = rq_vae_codes(embeddings, sizes, seed=seed, aligned=aligned, log=log)
+        else:
+            codes3 = residual_kmeans(embeddings, sizes, iters=iters, seed=seed, balanced=balanced)
         return cls(assign_collision_codes(codes3))
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
