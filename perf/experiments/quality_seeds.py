@@ -2,7 +2,8 @@
 same way, beside published anchors, from the result files in perf/results. Run from the repository root:
     python -m perf.experiments.quality_seeds
 writes perf/results/<data>_seeds.md (a table per data set) and perf/results/quality_summary.json (one row per
-data set, order and seen-item policy: the means over the seeds).
+data set, order and seen-item policy: the means over the seeds). `--data D --variant STEM` prints the same table
+for a variant's three result files instead, and writes nothing.
 
 - amazon-beauty: the recipe's final fits (`make train-beauty-refit`, `make baselines-beauty`; seeds 1 and 2 with `--seed`).
 - amazon-scientific: the recipe's validation-run fits (semantic IDs from the text encoder), not refit (`make train-scientific`).
@@ -45,9 +46,11 @@ def cell(v):
     return "" if v is None else f"{v:.4f}"
 
 
-def summarize(data: str) -> tuple[str, list[dict]]:
-    """The Markdown table of one data set and its summary rows."""
+def summarize(data: str, variant: str | None = None) -> tuple[str, list[dict]]:
+    """The Markdown table of one data set and its summary rows (variant: our result files' stem
+    in place of the recipe's)."""
     fit, ours, sasrec, anchors = DATASETS[data]
+    ours = variant or ours
     lines = [f"| {fit}, mean of {len(SEEDS)} seeds (min-max) | seen items | " + " | ".join(METRICS) + " |",
              "|---|---|" + "---|" * len(METRICS)]
     means, rows = {}, []
@@ -77,7 +80,15 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--data", nargs="+", default=list(DATASETS), choices=list(DATASETS),
                     help="the tables to print and write (the summary file always holds every data set)")
+    ap.add_argument("--variant", metavar="STEM",
+                    help="print the table of a variant's result files (STEM.json, STEM_seed1.json, STEM_seed2.json) "
+                         "in place of the recipe's, for the one data set of --data; nothing is written")
     args = ap.parse_args()
+    if args.variant:
+        if len(args.data) != 1:
+            ap.error("--variant takes one data set (--data)")
+        print(summarize(args.data[0], args.variant)[0])
+        return
     summary = []
     for data in DATASETS:
         table, rows = summarize(data)
