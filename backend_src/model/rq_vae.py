@@ -120,6 +120,15 @@ class RQVAE(nn.Module):
         return moved
 
 
+@torch.no_grad()
+def _every_item(model: RQVAE, x: torch.Tensor):
+    """(codes, loss, residuals) of all items under the current weights, without moving the codebooks."""
+    model.eval()
+    out = model(x)
+    model.train()
+    return out
+
+
 def rq_vae_codes(x: torch.Tensor, sizes=(256, 256, 256), steps: int = 3000, batch_size: int = 1024, lr: float = 1e-3,
                  reseed_every: int = 250, seed: int = 0, aligned: torch.Tensor | None = None, align_weight: float = 0.1,
                  log=None) -> torch.Tensor:
@@ -143,16 +152,11 @@ def rq_vae_codes(x: torch.Tensor, sizes=(256, 256, 256), steps: int = 3000, batc
         loss.backward()
         opt.step()
         if step % reseed_every == 0 and step <= steps - reseed_every:
-            model.eval()
-            with torch.no_grad():
-                codes, full_loss, residuals = model(x)
-            model.train()
+            codes, full_loss, residuals = _every_item(model, x)
             moved = model.reseed_unused(codes, residuals, gen)
             if log is not None:
                 log(f"  rq-vae step {step}: loss {float(full_loss):.4f}, {moved} unused codes re-seeded")
-    model.eval()
-    with torch.no_grad():
-        codes, full_loss, _ = model(x)
+    codes, full_loss, _ = _every_item(model, x)
     if log is not None:
         log(f"  rq-vae: loss {float(full_loss):.4f}, codes used per level "
             f"{[int(codes[:, l].unique().numel()) for l in range(codes.shape[1])]}")
