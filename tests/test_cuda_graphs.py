@@ -95,12 +95,14 @@ def test_host_read_detector_finds_reads():
 
 
 def _decode_reads() -> dict:
-    """{mode: host reads} of generate() with the ops on the Triton kernels (interpreter): the GPU's
-    code path. Runs in a fresh process (the interpreter must be chosen before Triton's import)."""
+    """{mode: host reads} of generate() with the ops on the Triton kernels: the GPU's code path, on
+    the GPU where there is one, else in Triton's interpreter. Runs in a fresh process (the
+    interpreter must be chosen before Triton's import)."""
     import triton
 
-    model = _model()
-    states, lengths = _history(3, 40, 5)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = _model(device)
+    states, lengths = (t.to(device) for t in _history(3, 40, 5))
     out = {}
     for mode in MODES:
         opts = DecodeOptions(mode=mode, beam_width=5, k=12, r=0.5, selection_step=1)
@@ -114,7 +116,9 @@ def test_decode_has_no_host_reads():
     """Every mode's decode on the GPU's code path (the Triton ops) reads no device value on the
     host, so a whole decode can be captured as one CUDA graph."""
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", GENREC_OPS_BACKEND="triton")
+    env = dict(os.environ, GENREC_OPS_BACKEND="triton")
+    if not torch.cuda.is_available():
+        env["TRITON_INTERPRET"] = "1"
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "tests"), env.get("PYTHONPATH", "")])
     res = subprocess.run([sys.executable, str(Path(__file__))], cwd=REPO, env=env, capture_output=True,
                          text=True, timeout=600)

@@ -431,6 +431,17 @@ def test_time_bucket_thresholds_match_reference():
         assert torch.equal(R.time_bucket(below, T, base), torch.arange(0, T - 1)[reach])
 
 
+def test_time_bucket_by_thresholds_equals_the_formula():
+    """What a GPU computes (the thresholds counted) equals the CPU's formula, boundaries included."""
+    g = torch.Generator().manual_seed(24)
+    for T, base in [(64, 1.6), (20, 2.0)]:
+        thr = R.time_bucket_thresholds(T, base)
+        edges = thr[1:-1][torch.isfinite(thr[1:-1])]
+        dt = torch.cat([edges, torch.nextafter(edges, torch.tensor(0.0)), torch.zeros(1),
+                        torch.randint(0, 1 << 40, (20000,), generator=g).to(torch.float32)])
+        assert torch.equal(R.bucket_by_thresholds(dt, T, base), R.time_bucket(dt, T, base))
+
+
 def test_hstu_time_buckets_exact_for_large_timestamps():
     """Epoch-second timestamps and gaps beyond float32's exact integers: same buckets as the reference."""
     B, N, H, d = 1, 24, 1, 16

@@ -257,9 +257,8 @@ def _usage_or_skip(request, key: str, compute) -> dict:
 def test_hstu_tile_registers(dtype, d, request):
     """ptxas counts of the op's HSTU tile: fp32 must not spill (its products run on the FMA units
     with q, k, v, the logits and the accumulator all in registers); fp16 may spill a little (its
-    tensor-core tiles with 3 pipeline stages sit at the 255-register limit: 436 / 808 bytes before
-    the per-row time path, 684-1260 / 824-1512 with it), bounded here so that a change which makes it
-    spill much more fails."""
+    tensor-core tiles sit at the 255-register limit: 696-1228 / 752-1352 bytes with the per-row time
+    path at one pipeline stage), bounded here so that a change which makes it spill much more fails."""
     usage = _usage_or_skip(request, f"usage/{dtype}/{d}", lambda: _hstu_usage(dtype, d))
     print(f"HSTU {dtype} d{d} tile {usage['tile']}: {usage['registers']} registers, "
           f"{usage['spill_stores']} / {usage['spill_loads']} bytes spill stores / loads")

@@ -20,9 +20,20 @@ def row_mask(lengths: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def time_bucket(dt: torch.Tensor, num_buckets: int, base: float) -> torch.Tensor:
-    """Log-bucketed |time difference| (seconds): bucket = floor(log(1 + |dt|) / log(base)), clipped."""
+    """Log-bucketed |time difference| (seconds): bucket = floor(log(1 + |dt|) / log(base)), clipped,
+    as evaluated in float32 on the CPU. Another device counts the thresholds that evaluation gives
+    (time_bucket_thresholds): its own log1p can differ in the last bit and move a |dt| that lies on
+    a boundary into the next bucket, so every device and every backend gets the CPU's buckets."""
     dt = dt.abs().to(torch.float32)
+    if dt.device.type != "cpu":
+        return bucket_by_thresholds(dt, num_buckets, base)
     return torch.log1p_(dt).div_(math.log(base)).floor_().clamp_(0, num_buckets - 1).long()
+
+
+def bucket_by_thresholds(dt_abs: torch.Tensor, num_buckets: int, base: float) -> torch.Tensor:
+    """time_bucket of float32 |dt| >= 0 as the number of thresholds thr[1..T-1] it reaches."""
+    thr = time_bucket_thresholds(num_buckets, base).to(dt_abs.device)
+    return torch.bucketize(dt_abs, thr[1:num_buckets], right=True)
 
 
 @functools.lru_cache(maxsize=None)
