@@ -807,7 +807,7 @@ def hstu_attention(
 
 # Tile shapes (BLOCK_M, BLOCK_N, warps, pipeline stages) that perf/gpu_kernels.py profiles the kernel
 # with. The op uses hstu_tile(dtype, head dim). fp16/bf16: 64 x 64, 4 warps, 1 stage, measured on an
-# H200 (perf/results/gpu/: the fastest of the nine profiled tiles in all four profiled shapes, 1.17-1.37x
+# H200 (perf/results/gpu/: the fastest of the nine profiled tiles in all four profiled shapes, 1.18-1.37x
 # faster than 3 stages).
 # fp32: exact products run on the FMA units with q, k, v, the logits and the accumulator all in
 # registers; ptxas (sm_90) spills the 64 x 64 tile (5-7 KB of spill traffic per thread at head dim
