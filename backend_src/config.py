@@ -24,6 +24,10 @@ class ModelConfig:
     ranker_negatives: int = 64
     ranker_hard_fraction: float = 0.5  # share of the ranker negatives that share the positive's first code
     dense_temperature: float = 0.0  # > 0: the dense head scores cosine similarity / temperature
+    # training only: an item's vector adds the embeddings of the first this-many codes of its
+    # semantic ID (HSTUEncoder.item_vectors); a written checkpoint holds them folded into the item
+    # table and says 0
+    code_embedding_levels: int = 0
     # served ("fused") order: w * M-FALCON logit + retrieval log-probability, w chosen on the
     # validation split after training (export.train, export.evaluate --tune-fusion), once with
     # already-seen items kept in the list and once with them excluded (None: the same w)

@@ -264,7 +264,7 @@ def _save_train_state(path, model, opt, state: TrainState, tcfg: TrainConfig, ge
         "step": state.step, "epoch": state.epoch, "seconds": state.seconds, "best_metric": state.best_metric,
         "history": state.history, "train_config": dict(vars(tcfg)),
         "rng": {"generator": gen.get_state(), "numpy": rng.bit_generator.state, "torch": per_rank},
-    }})
+    }}, fold_codes=False)
 
 
 def _restore_train_state(path, model, opt, gen, rng, log) -> TrainState:

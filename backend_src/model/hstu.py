@@ -313,15 +313,51 @@ class HSTUEncoder(nn.Module):
         nn.init.trunc_normal_(self.action_embedding.weight, std=0.02)
         with torch.no_grad():
             self.item_embedding.weight[0].zero_()
+        # Semantic-ID code embeddings (training only): items that share codes share part of their
+        # vector, so an item seen a few times borrows from its neighbours in the semantic-ID space
+        # (and from the side information its codes were fit on). The sum is linear in the tables,
+        # so a checkpoint holds it folded into the item table (item_table) and serves as before.
+        self.code_embedding = None
+        if cfg.code_embedding_levels:
+            L = cfg.code_embedding_levels
+            rows = sum(int(c) for c in cfg.codebook_sizes[:L])
+            self.code_embedding = nn.Embedding(rows + 1, D, padding_idx=rows)  # the last row: no code
+            nn.init.trunc_normal_(self.code_embedding.weight, std=0.02)
+            with torch.no_grad():
+                self.code_embedding.weight[rows].zero_()
+            self.register_buffer("item_code_rows", torch.full((cfg.num_items + 1, L), rows, dtype=torch.long))
         self.input_dropout = Dropout(cfg.dropout)
         self.layers = nn.ModuleList(HSTULayer(cfg) for _ in range(cfg.num_layers))
         self.final_norm = nn.LayerNorm(D)
         self.embed_scale = math.sqrt(D)
 
+    def set_item_codes(self, codes: torch.Tensor) -> None:
+        """codes [I + 1, levels] (the codebook's; row 0, padding, all -1): each item's rows of
+        code_embedding, one per level (level t's codes after those of the levels before it)."""
+        L = self.cfg.code_embedding_levels
+        sizes = torch.tensor([int(c) for c in self.cfg.codebook_sizes[:L]])
+        offsets = torch.cumsum(sizes, 0) - sizes
+        rows = codes[:, :L].to(self.item_code_rows.device) + offsets.to(self.item_code_rows.device)
+        self.item_code_rows.copy_(torch.where(codes[:, :L] >= 0, rows, int(sizes.sum())))
+
+    def item_vectors(self, items: torch.Tensor) -> torch.Tensor:
+        """[...] item ids -> [..., D]: E_item[item], plus its codes' embeddings while training with them."""
+        e = self.item_embedding(items)
+        if self.code_embedding is not None:
+            e = e + self.code_embedding(self.item_code_rows[items]).sum(-2)
+        return e
+
+    def item_table(self) -> torch.Tensor:
+        """[I + 1, D]: every item's vector (item_vectors of 0..I; the item embedding's weight when
+        there are no code embeddings)."""
+        if self.code_embedding is None:
+            return self.item_embedding.weight
+        return self.item_embedding.weight + self.code_embedding(self.item_code_rows).sum(-2)
+
     def embed(self, items: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
         """[B, M] ids -> [B, M, D] input tokens (embeddings are small at init; sqrt(D) scaling
         brings them to unit scale next to the residual stream)."""
-        x = (self.item_embedding(items) + self.action_embedding(actions)) * self.embed_scale
+        x = (self.item_vectors(items) + self.action_embedding(actions)) * self.embed_scale
         return self.input_dropout(x)
 
     # ---- full encode ------------------------------------------------------------------------
@@ -363,9 +399,9 @@ class HSTUEncoder(nn.Module):
     def _append_fused(self, out: HistoryCache, items, actions, timestamps, rows: Sequence[int]) -> bool:
         """One event per user by the fused CPU kernel (``ops.cpu_kernels``), user b's written into
         row rows[b] of `out`'s buffers, after its rows[b] cached rows. False, with nothing written,
-        where it does not apply: no users, training or autograd, tensors that are not float32 on the
-        CPU, the backend forced by GENREC_OPS_BACKEND, numba missing."""
-        if self.training or torch.is_grad_enabled() or not len(rows):
+        where it does not apply: no users, training or autograd, code embeddings not folded, tensors
+        that are not float32 on the CPU, the backend forced by GENREC_OPS_BACKEND, numba missing."""
+        if self.training or torch.is_grad_enabled() or not len(rows) or self.code_embedding is not None:
             return False
         kernels = ops.fused_cpu_kernels(out.keys, out.values, out.states, self.item_embedding.weight)
         weights = self._fused_weights() if kernels is not None else None

@@ -83,7 +83,7 @@ class MFalconRanker(nn.Module):
 
     def head_logits(self, states: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
         """[B, M, D] candidate states -> [B, M] logits; padding candidates (id 0) get -inf."""
-        e = self.backbone.item_embedding(candidates) * self.backbone.embed_scale
+        e = self.backbone.item_vectors(candidates) * self.backbone.embed_scale
         logits = self.head(states).squeeze(-1) + (states * e).sum(-1) / states.shape[-1] ** 0.5
         return logits.masked_fill(candidates == 0, float("-inf"))
 

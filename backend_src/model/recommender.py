@@ -5,6 +5,7 @@ This is what a checkpoint holds and what every Triton model loads.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -112,6 +113,8 @@ class GenerativeRecommender(nn.Module):
         self.cfg = cfg
         self.parts = tuple(p for p in MODEL_PARTS if p in parts)
         self.backbone = HSTUEncoder(cfg) if "backbone" in parts else None
+        if self.backbone is not None and self.backbone.code_embedding is not None and len(codebook.codes):
+            self.backbone.set_item_codes(codebook.codes)
         self.decoder = SemanticIdDecoder(cfg) if "decoder" in parts else None
         self.ranker = MFalconRanker(self.backbone, cfg) if "ranker" in parts else None
         self.codebook = codebook if "codebook" in parts else None
@@ -121,14 +124,24 @@ class GenerativeRecommender(nn.Module):
         self._index = {str(raw): i for i, raw in enumerate(self.item_ids) if i > 0}
 
     # ---------------------------------------------------------------- persistence
-    def save(self, path, metadata: dict | None = None) -> None:
+    def save(self, path, metadata: dict | None = None, fold_codes: bool = True) -> None:
+        """The whole model; code embeddings folded into the item table unless not fold_codes
+        (a training state, to resume)."""
         if self.parts != MODEL_PARTS:
             raise ValueError(f"a checkpoint needs the whole model; this one has {self.parts} (save_stage?)")
-        self._write(path, self.state_dict(), metadata or {})
+        state, cfg = self.state_dict(), self.cfg
+        if fold_codes and self.backbone.code_embedding is not None:
+            table = self.backbone.item_table().detach().clone()
+            state = {k: table if k.endswith("backbone.item_embedding.weight") else v for k, v in state.items()
+                     if not k.endswith(("backbone.item_code_rows", "backbone.code_embedding.weight"))}
+            cfg = dataclasses.replace(cfg, code_embedding_levels=0)
+        self._write(path, state, metadata or {}, cfg=cfg)
 
     def save_stage(self, path, stage: str, metadata: dict | None = None) -> None:
         """What the served stage `stage` (a key of STAGE_PARTS) loads: the checkpoint's format
         with that stage's parts only; `load` reads it back as a model of those parts."""
+        if self.backbone is not None and self.backbone.code_embedding is not None:
+            raise ValueError("a stage is written from a checkpoint (code embeddings folded), not from a training model")
         parts = STAGE_PARTS[stage]
         modules = tuple(f"{p}." for p in parts if p != "vocabulary")
         state = {k: v for k, v in self.state_dict().items() if k.startswith(modules)}
@@ -136,13 +149,13 @@ class GenerativeRecommender(nn.Module):
             metadata = {k: v for k, v in getattr(self, "metadata", {}).items() if k != "train_state"}
         self._write(path, state, metadata, stage=stage)
 
-    def _write(self, path, state_dict: dict, metadata: dict, stage: str | None = None) -> None:
+    def _write(self, path, state_dict: dict, metadata: dict, stage: str | None = None, cfg=None) -> None:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(path.suffix + ".tmp")
         blob = {
             "format": CHECKPOINT_FORMAT,
-            "config": self.cfg.to_dict(),
+            "config": (cfg or self.cfg).to_dict(),
             "state_dict": state_dict,
             "item_ids": [None if x is None else str(x) for x in self.item_ids],
             "metadata": metadata,
@@ -225,7 +238,7 @@ class GenerativeRecommender(nn.Module):
     def dense_operands(self, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(query [..., D], item table [I+1, D]) whose products are the dense head's scores:
         state . E_item, or cos(state, E_item) / cfg.dense_temperature when that is > 0."""
-        emb = self.backbone.item_embedding.weight
+        emb = self.backbone.item_table()
         t = self.cfg.dense_temperature
         if t > 0:
             return F.normalize(states, dim=-1) / t, F.normalize(emb, dim=-1)
