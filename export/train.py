@@ -56,12 +56,13 @@ from export.evaluate import fusion_weights, result_rows, tune_fusion
 RECIPE = dict(
     d_model=96, layers=2, heads=2, dropout=0.3, codebook=(256, 256, 256),
     lr=2e-3, lr_schedule="cosine", weight_decay=0.1, dense_negatives=1024, ranker_negatives=32,
-    valid_users=4000, epochs=40, minutes=30.0,
+    code_embeddings=3, valid_users=4000, epochs=40, minutes=30.0,
 )
 # The small models of the speed benchmarks, the tests and the demo: fixed sizes and the settings
 # their recorded results were trained with (perf/results/*.json "command"), not quality recipes.
 _SMALL = dict(layers=2, heads=2, dropout=0.2, lr=1e-3, lr_schedule="constant", weight_decay=0.0,
-              dense_negatives=0, ranker_negatives=64, valid_users=2000, minutes=None, item_embeddings="auto")
+              dense_negatives=0, ranker_negatives=64, code_embeddings=0, valid_users=2000, minutes=None,
+              item_embeddings="auto")
 BENCHMARK_CONFIGS = {
     "synthetic": dict(_SMALL, d_model=48, max_len=64, codebook=(32, 32, 32), epochs=4),
     "ml-100k": dict(_SMALL, d_model=64, max_len=200, codebook=(32, 32, 32), epochs=30),
@@ -149,6 +150,10 @@ def parse_args(argv=None):
                    help="how the item embeddings become codes: residual k-means (the recipe) or a learned "
                         "residual quantizer (rq-vae), optionally pulled toward the items' co-occurrence embeddings "
                         "(rq-vae-collaborative); measured variants, not the recipe")
+    p.add_argument("--code-embeddings", type=int, metavar="LEVELS",
+                   help="while training, add to each item's vector the embeddings of the first LEVELS codes of "
+                        f"its semantic ID, folded into the item table in the checkpoint (recipe: "
+                        f"{RECIPE['code_embeddings']}; 0: off)")
     p.add_argument("--code-loss", choices=["all", "valid"], default="all",
                    help="each level's cross-entropy over all codes, or only those continuing the target's prefix "
                         "(the codes constrained beam search normalizes over)")
@@ -230,6 +235,7 @@ def run(args, device):
             ranker_negatives=args.ranker_negatives,
             ranker_hard_fraction=args.ranker_hard_fraction,
             dense_temperature=args.dense_temperature,
+            code_embedding_levels=args.code_embeddings,
         )
         model = build_model(data, cfg, seed=args.seed, end_offset=tcfg.end_offset, item_embeddings=args.item_embeddings,
                             balanced_codes=args.balanced_codes, quantizer=args.quantizer, log=say)
