@@ -337,8 +337,8 @@ class HSTUEncoder(nn.Module):
         L = self.cfg.code_embedding_levels
         sizes = torch.tensor([int(c) for c in self.cfg.codebook_sizes[:L]])
         offsets = torch.cumsum(sizes, 0) - sizes
-        rows = codes[:, :L].to(self.item_code_rows.device) + offsets.to(self.item_code_rows.device)
-        self.item_code_rows.copy_(torch.where(codes[:, :L] >= 0, rows, int(sizes.sum())))
+        codes = codes[:, :L].cpu()
+        self.item_code_rows.copy_(torch.where(codes >= 0, codes + offsets, int(sizes.sum())))
 
     def item_vectors(self, items: torch.Tensor) -> torch.Tensor:
         """[...] item ids -> [..., D]: E_item[item], plus its codes' embeddings while training with them."""
