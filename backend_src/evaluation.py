@@ -2,8 +2,10 @@
 
 For every test user: encode the history once, retrieve `beam_width` items by constrained
 semantic-ID beam search (retrieval order = beam log-probability), rank the same candidates with
-M-FALCON against the cached history, and score the held-out item in both orders. The auxiliary
-dense head (state . item embedding over all items) is reported as a diagnostic.
+M-FALCON against the cached history, and score the held-out item in each order: the beam's, the
+ranker's and the served (fused) one, which adds the auxiliary dense head's log-softmax (state .
+item embedding over all items) as a third expert. The dense head's own top items are reported as
+a diagnostic.
 """
 from __future__ import annotations
 
@@ -41,7 +43,7 @@ def evaluate(
     users=None,  # explicit user rows (overrides max_users)
     rank: bool = True,
     dense: bool = True,
-    fusion_weights=(),  # extra orders "fused@w": w * ranker logit + retrieval log-probability
+    fusion_weights=(),  # extra orders "fused@w,v": (w, v) pairs of the fused order's weights (`fuse`)
     ks=(5, 10),
     progress: bool = True,
 ) -> dict:
@@ -60,23 +62,26 @@ def evaluate(
         t_retrieve += time.perf_counter() - t0
         # each order ranks through served_order, the server's own: {name: exclude_seen -> items [B, max(ks)]}
         orders = {"retrieval": lambda excl: drop_seen(beams.item_ids, beams.log_probs, batch.items, excl, max(ks))}
+        user_states = cache.last_states()
         if rank:
             t0 = time.perf_counter()
             rank_scores = model.rank(cache, beams.item_ids)
+            dense_log_probs = model.dense_log_probs(user_states, beams.item_ids)
             t_rank += time.perf_counter() - t0
 
-            def served(excl, rank_by, weight=0.0):
+            def served(excl, rank_by, weights=(0.0, 0.0)):
                 return served_order(rank_scores, beams.log_probs, beams.item_ids, batch.items, rank_by=rank_by,
-                                    fusion_weight=weight, exclude_seen=excl, top_k=max(ks))[0]
+                                    fusion_weight=weights[0], dense_log_probs=dense_log_probs,
+                                    dense_weight=weights[1], exclude_seen=excl, top_k=max(ks))[0]
 
             orders["ranked"] = lambda excl: served(excl, "ranker")
-            # product of the two experts: w * ranker logit + retrieval log-probability, with the
-            # weight the checkpoint holds for each seen-item policy (as served)
-            orders["fused"] = lambda excl: served(excl, "fused", model.cfg.fusion_weight(excl))
-            for w in fusion_weights:
-                orders[f"fused@{w:g}"] = lambda excl, w=w: served(excl, "fused", w)
+            # the product of the experts, with the weights the checkpoint holds for each seen-item
+            # policy (as served)
+            orders["fused"] = lambda excl: served(excl, "fused", model.cfg.fusion_weights(excl))
+            for wv in fusion_weights:
+                orders[fused_name(*wv)] = lambda excl, wv=wv: served(excl, "fused", wv)
         if dense:
-            scores = model.dense_scores(cache.states[torch.arange(len(batch.lengths)), batch.lengths - 1])
+            scores = model.dense_scores(user_states)
             top = torch.topk(scores, max(options.beam_width, max(ks)) + batch.items.shape[1], dim=1)
             orders["dense"] = lambda excl: drop_seen(top.indices, top.values, batch.items, excl, max(ks))
         for name, ranked in orders.items():
@@ -89,17 +94,24 @@ def evaluate(
     return out
 
 
-FUSION_GRID = (0.0, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0)
+# the fused order's weights tried on validation: (w, v) for every ranker weight w and dense weight v
+FUSION_GRID = tuple((w, v) for w in (0.0, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0) for v in (0.0, 0.25, 0.5, 0.75, 1.0, 1.5))
 
 
-def tune_fusion_weight(model, data, options: DecodeOptions | None = None, weights=FUSION_GRID,
-                       metric: str = "ndcg@10", progress: bool = True) -> tuple[dict, dict]:
-    """For each seen-item policy, the ranker weight of the fused order with the best validation
-    `metric` with that policy applied: ({policy: w}, {policy: {w: validation metrics}}).
-    Never looks at the test split."""
+def fused_name(w: float, v: float) -> str:
+    """The evaluation's name of the fused order with ranker weight w and dense weight v."""
+    return f"fused@{w:g},{v:g}"
+
+
+def tune_fusion_weights(model, data, options: DecodeOptions | None = None, weights=FUSION_GRID,
+                        metric: str = "ndcg@10", progress: bool = True) -> tuple[dict, dict]:
+    """For each seen-item policy, the (ranker, dense) weights of the fused order with the best
+    validation `metric` with that policy applied: ({policy: (w, v)}, {policy: {(w, v): validation
+    metrics}}). Ties go to the smaller dense weight, then to the ranker weight nearest 1. Never
+    looks at the test split."""
     res = evaluate(model, data, "valid", options, dense=False, fusion_weights=weights, progress=progress)
     best, tables = {}, {}
     for policy in SEEN_POLICIES:
-        table = tables[policy] = {w: res[f"fused@{w:g}/{policy}"] for w in weights}
-        best[policy] = max(weights, key=lambda w: (table[w][metric], -abs(w - 1.0)))  # ties: the plain sum
+        table = tables[policy] = {wv: res[f"{fused_name(*wv)}/{policy}"] for wv in weights}
+        best[policy] = max(weights, key=lambda wv: (table[wv][metric], -wv[1], -abs(wv[0] - 1.0)))
     return best, tables

@@ -4,11 +4,12 @@
         --out perf/results/quality_beauty_eval.json
 
 Orders reported: retrieval (beam log-probability), ranked (M-FALCON score over the beams),
-fused (the served order: w * ranker logit + retrieval log-probability, w = the checkpoint's
-weight for the seen-item policy) and dense (the auxiliary head, a diagnostic), each with
-already-seen items included and excluded. --tune-fusion first picks w per policy on the validation
-split and saves both into the checkpoint (export.train does this after training); --fusion-weight
-W|CHECKPOINT saves given weights instead (a final fit has no validation split left to pick them on).
+fused (the served order: retrieval log-probability + w * ranker logit + v * dense log-softmax,
+(w, v) = the checkpoint's weights for the seen-item policy) and dense (the auxiliary head's own top
+items, a diagnostic), each with already-seen items included and excluded. --tune-fusion first
+picks (w, v) per policy on the validation split and saves them into the checkpoint (export.train
+does this after training); --fusion-weight W|CHECKPOINT saves given weights instead (a final fit
+has no validation split left to pick them on).
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from pathlib import Path
 
 from backend_src.config import DecodeOptions
 from backend_src.data.loaders import load_dataset
-from backend_src.evaluation import SEEN_POLICIES, evaluate, tune_fusion_weight
+from backend_src.evaluation import SEEN_POLICIES, evaluate, fused_name, tune_fusion_weights
 from backend_src.metrics import METRIC_NAMES
 from backend_src.model.recommender import GenerativeRecommender
 from backend_src.results import markdown_table, write_result
@@ -32,34 +33,37 @@ def result_rows(dataset: str, results: dict, mode: str) -> list[dict]:
     ]
 
 
-def fusion_weights(value: str) -> tuple[float, float]:
-    """--fusion-weight: a number (both seen-item policies) or a checkpoint whose weights to take
-    -> (w with seen items included, w with them excluded)."""
+FusionWeights = tuple[tuple[float, float], tuple[float, float]]  # (w, v) seen included, (w, v) excluded
+
+
+def fusion_weights(value: str) -> FusionWeights:
+    """--fusion-weight: a number (the ranker weight w under both seen-item policies, no dense
+    weight) or a checkpoint whose weights to take -> ((w, v) seen included, (w, v) excluded)."""
     try:
-        return float(value), float(value)
+        return (float(value), 0.0), (float(value), 0.0)
     except ValueError:
         if not Path(value).is_file():
             raise argparse.ArgumentTypeError(f"{value!r} is neither a number nor a checkpoint file") from None
         cfg = GenerativeRecommender.load(value).cfg
-        return cfg.fusion_weight(False), cfg.fusion_weight(True)
+        return cfg.fusion_weights(False), cfg.fusion_weights(True)
 
 
-def save_fusion_weights(model: GenerativeRecommender, checkpoint, weights: tuple[float, float], **metadata) -> None:
-    model.cfg.rank_fusion_weight, model.cfg.rank_fusion_weight_seen_excluded = map(float, weights)
+def save_fusion_weights(model: GenerativeRecommender, checkpoint, weights: FusionWeights, **metadata) -> None:
+    model.cfg.set_fusion_weights(*weights)
     model.metadata = {**getattr(model, "metadata", {}), **metadata}
     model.save(checkpoint, model.metadata)
 
 
 def tune_fusion(model: GenerativeRecommender, data, checkpoint, options: DecodeOptions) -> dict:
-    """Pick the fused order's ranker weight on the validation split (NDCG@10), once per seen-item
-    policy, and save both into the checkpoint's config -> {policy: w}."""
-    best, tables = tune_fusion_weight(model, data, options)
+    """Pick the fused order's (ranker, dense) weights on the validation split (NDCG@10), once per
+    seen-item policy, and save them into the checkpoint's config -> {policy: (w, v)}."""
+    best, tables = tune_fusion_weights(model, data, options)
     for policy in SEEN_POLICIES:
-        for w, m in tables[policy].items():
+        for wv, m in tables[policy].items():
             scores = " ".join(f"{k}={m[k]:.4f}" for k in METRIC_NAMES)
-            print(f"  valid {policy} fused@{w:g}: {scores}" + ("  <- chosen" if w == best[policy] else ""))
+            print(f"  valid {policy} {fused_name(*wv)}: {scores}" + ("  <- chosen" if wv == best[policy] else ""))
     save_fusion_weights(model, checkpoint, (best["seen_included"], best["seen_excluded"]),
-                        rank_fusion_valid={p: {f"{w:g}": m for w, m in t.items()} for p, t in tables.items()})
+                        rank_fusion_valid={p: {fused_name(*wv): m for wv, m in t.items()} for p, t in tables.items()})
     return best
 
 
@@ -75,11 +79,11 @@ def main(argv=None):
     p.add_argument("--out")
     fusion = p.add_mutually_exclusive_group()
     fusion.add_argument("--tune-fusion", action="store_true",
-                        help="first choose the fused order's ranker weights on the validation split, saved into the "
-                             "checkpoint")
+                        help="first choose the fused order's ranker and dense weights on the validation split, saved "
+                             "into the checkpoint")
     fusion.add_argument("--fusion-weight", type=fusion_weights, metavar="W|CHECKPOINT",
-                        help="first save these ranker weights into the checkpoint: a number, or the checkpoint of the "
-                             "validation run that chose them (for a final fit)")
+                        help="first save these weights into the checkpoint: a ranker weight (no dense weight), or the "
+                             "checkpoint of the validation run that chose them (for a final fit)")
     args = p.parse_args(argv)
     model = GenerativeRecommender.load(args.checkpoint)
     data = load_dataset(args.data)

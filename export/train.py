@@ -171,8 +171,8 @@ def parse_args(argv=None):
     p.add_argument("--refit", action="store_true",
                    help="train on validation targets too (only the test target held out); keep the last epoch")
     p.add_argument("--fusion-weight", type=fusion_weights, default=None, metavar="W|CHECKPOINT",
-                   help="the served order's ranker weights (required with --refit): a number, or the checkpoint "
-                        "of the validation run that chose them")
+                   help="the served order's weights (required with --refit): a ranker weight (no dense weight), or "
+                        "the checkpoint of the validation run that chose them")
     args = p.parse_args(argv)
     if args.refit and args.fusion_weight is None:
         p.error("--refit has no validation split to choose the fusion weight on: give --fusion-weight")
@@ -240,7 +240,7 @@ def run(args, device):
         model = build_model(data, cfg, seed=args.seed, end_offset=tcfg.end_offset, item_embeddings=args.item_embeddings,
                             balanced_codes=args.balanced_codes, quantizer=args.quantizer, log=say)
     if args.fusion_weight is not None:
-        cfg.rank_fusion_weight, cfg.rank_fusion_weight_seen_excluded = args.fusion_weight
+        cfg.set_fusion_weights(*args.fusion_weight)
     say(f"semantic IDs: codebook sizes {cfg.codebook_sizes}")
     say(f"parameters: {sum(p.numel() for p in model.parameters()):,}")
     if distributed.is_distributed():

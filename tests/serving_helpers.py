@@ -6,10 +6,13 @@ import pytest
 
 def build_tiny_checkpoint(path, item_ids, max_history: int, seed: int) -> None:
     """Random-weight model with random unique semantic IDs over `item_ids` (index 0 = None):
-    the serving tests check plumbing and served == offline, not quality."""
+    the serving tests check plumbing and served == offline, not quality. Its fused order takes
+    every expert (ranker and dense weights above 0), so the served path computes each one."""
     from backend_src.model.recommender import GenerativeRecommender
 
-    GenerativeRecommender.untrained(item_ids, max_history, seed).save(path)
+    model = GenerativeRecommender.untrained(item_ids, max_history, seed)
+    model.cfg.set_fusion_weights((1.0, 0.5), (1.0, 0.5))
+    model.save(path)
 
 
 def require_tritonserver() -> None:

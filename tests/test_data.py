@@ -52,10 +52,7 @@ def test_ml100k_full(data_dir):
 
 
 def test_ml1m(data_dir):
-    t = time.perf_counter()
     d = load_dataset("ml-1m", root=data_dir)
-    elapsed = time.perf_counter() - t
-    assert elapsed < 5.0, f"ml-1m took {elapsed:.2f}s"
     assert (d.user_ids == np.arange(1, 3000)).all()
     assert d.num_events == 487650 and d.num_items == 3615
     assert d.lengths.max() == 1850

@@ -6,7 +6,7 @@ import torch
 
 from backend_src.config import DecodeOptions, ModelConfig
 from backend_src.data.synthetic import generate_synthetic
-from backend_src.evaluation import evaluate, tune_fusion_weight
+from backend_src.evaluation import evaluate, tune_fusion_weights
 from backend_src.model.recommender import fuse, served_order
 from backend_src.training import build_model
 
@@ -28,28 +28,33 @@ def test_fuse_weights_the_ranker_and_keeps_empty_slots_empty():
     assert torch.equal(fuse(rank, lp, 0.5), torch.tensor([[-2.0, -1.0, float("-inf")]]))
     # weight 0 is the beam order, but an empty slot still never outranks a real candidate
     assert torch.equal(fuse(rank, lp, 0.0), torch.tensor([[-3.0, -0.5, float("-inf")]]))
+    # the dense head's log-softmax is a third term, weighted on its own
+    dense = torch.tensor([[-1.0, -4.0, -2.0]])
+    assert torch.equal(fuse(rank, lp, 0.5, dense, 0.25), torch.tensor([[-2.25, -2.0, float("-inf")]]))
 
 
-def test_fused_order_uses_the_checkpoint_weight_of_each_seen_policy(small):
+def test_fused_order_uses_the_checkpoint_weights_of_each_seen_policy(small):
     data, model = small
-    model.cfg.rank_fusion_weight, model.cfg.rank_fusion_weight_seen_excluded = 0.25, 2.0
+    model.cfg.set_fusion_weights((0.25, 0.0), (2.0, 0.5))
     try:
-        res = evaluate(model, data, "test", DECODE, dense=False, fusion_weights=(0.25, 2.0), progress=False)
+        res = evaluate(model, data, "test", DECODE, dense=False, fusion_weights=((0.25, 0.0), (2.0, 0.5), (2.0, 0.0)),
+                       progress=False)
     finally:
-        model.cfg.rank_fusion_weight, model.cfg.rank_fusion_weight_seen_excluded = 1.0, None
-    assert res["fused/seen_included"] == res["fused@0.25/seen_included"]
-    assert res["fused/seen_excluded"] == res["fused@2/seen_excluded"]
-    assert "fused@1/seen_included" not in res  # only the requested weights are added
+        model.cfg.set_fusion_weights((1.0, 0.0), (1.0, 0.0))
+    assert res["fused/seen_included"] == res["fused@0.25,0/seen_included"]
+    assert res["fused/seen_excluded"] == res["fused@2,0.5/seen_excluded"]
+    assert "fused@1,0/seen_included" not in res  # only the requested weights are added
 
 
 def test_one_fusion_weight_serves_both_policies_unless_a_second_is_set():
     from backend_src.config import ModelConfig
 
     cfg = ModelConfig(num_items=5, rank_fusion_weight=0.5)
-    assert cfg.fusion_weight(False) == cfg.fusion_weight(True) == 0.5  # checkpoints from before the second
-    cfg.rank_fusion_weight_seen_excluded = 1.0
-    assert (cfg.fusion_weight(False), cfg.fusion_weight(True)) == (0.5, 1.0)
-    assert ModelConfig.from_dict(cfg.to_dict()).fusion_weight(True) == 1.0
+    # checkpoints from before the second policy's weights, and before the dense weight
+    assert cfg.fusion_weights(False) == cfg.fusion_weights(True) == (0.5, 0.0)
+    cfg.rank_fusion_weight_seen_excluded, cfg.dense_fusion_weight = 1.0, 0.25
+    assert (cfg.fusion_weights(False), cfg.fusion_weights(True)) == ((0.5, 0.25), (1.0, 0.25))
+    assert ModelConfig.from_dict(cfg.to_dict()).fusion_weights(True) == (1.0, 0.25)
 
 
 def test_recommend_ranks_by_the_weighted_sum(small):
@@ -60,16 +65,19 @@ def test_recommend_ranks_by_the_weighted_sum(small):
     cache = model.encode(batch.items, batch.actions, batch.timestamps, batch.lengths)
     beams = model.retrieve(cache, DECODE)
     rank = model.rank(cache, beams.item_ids)
+    # the dense head's log-softmax over all items, at each candidate
+    dense = torch.log_softmax(model.dense_scores(cache.states[torch.arange(8), cache.lengths - 1]), -1)
+    dense = dense.gather(1, beams.item_ids)
     seen = (beams.item_ids[:, :, None] == batch.items[:, None, :]).any(-1)
-    model.cfg.rank_fusion_weight, model.cfg.rank_fusion_weight_seen_excluded = 0.3, 2.0
+    model.cfg.set_fusion_weights((0.3, 0.0), (2.0, 0.75))
     try:
         rec = model.recommend(cache, DECODE, top_k=5)
         # every beam, so that the list holds excluded (empty) slots too
         rec_excl = model.recommend(cache, DECODE, top_k=DECODE.beam_width, exclude_seen=True, history_items=batch.items)
     finally:
-        model.cfg.rank_fusion_weight, model.cfg.rank_fusion_weight_seen_excluded = 1.0, None
+        model.cfg.set_fusion_weights((1.0, 0.0), (1.0, 0.0))
     for got, expected in ((rec, fuse(rank, beams.log_probs, 0.3)),
-                          (rec_excl, fuse(rank, beams.log_probs, 2.0).masked_fill(seen, float("-inf")))):
+                          (rec_excl, fuse(rank, beams.log_probs, 2.0, dense, 0.75).masked_fill(seen, float("-inf")))):
         top = torch.topk(expected, got.items.shape[1], dim=1)
         torch.testing.assert_close(got.rank_scores, top.values)
         assert torch.equal(got.items, torch.gather(beams.item_ids, 1, top.indices).masked_fill(torch.isinf(top.values), 0))
@@ -147,31 +155,34 @@ def test_served_order_of_a_padded_batch_equals_each_request_alone():
     weight and seen-item policy; each request's first min(top_k, W) slots are its own order."""
     g = torch.Generator().manual_seed(0)
     reqs = []
-    for w_len, excl, weight in ((6, False, 0.5), (3, True, 2.0), (5, True, 0.0)):
+    for w_len, excl, weight, dense_weight in ((6, False, 0.5, 0.0), (3, True, 2.0, 0.5), (5, True, 0.0, 1.0)):
         cands = torch.randint(1, 9, (w_len,), generator=g)
         cands[-1] = 0  # an empty beam
         rank = torch.randn(w_len, generator=g).round().masked_fill(cands == 0, INF)  # rounded: ties
-        reqs.append((rank, torch.randn(w_len, generator=g).round(), cands, torch.randint(0, 9, (4,), generator=g), excl, weight))
+        reqs.append((rank, torch.randn(w_len, generator=g).round(), cands, torch.randint(0, 9, (4,), generator=g), excl,
+                     weight, torch.randn(w_len, generator=g).round(), dense_weight))
     pad = torch.nn.utils.rnn.pad_sequence
     batched = served_order(
         pad([r[0] for r in reqs], batch_first=True, padding_value=INF),
         pad([r[1] for r in reqs], batch_first=True, padding_value=INF),
         pad([r[2] for r in reqs], batch_first=True), torch.stack([r[3] for r in reqs]),
         fusion_weight=torch.tensor([[r[5]] for r in reqs]), rank_by="fused",
+        dense_log_probs=pad([r[6] for r in reqs], batch_first=True, padding_value=INF),
+        dense_weight=torch.tensor([[r[7]] for r in reqs]),
         exclude_seen=torch.tensor([r[4] for r in reqs]), top_k=5,
     )
-    for b, (rank, lp, cands, hist, excl, weight) in enumerate(reqs):
+    for b, (rank, lp, cands, hist, excl, weight, dense, dense_weight) in enumerate(reqs):
         alone = served_order(rank[None], lp[None], cands[None], hist[None], fusion_weight=weight, rank_by="fused",
-                             exclude_seen=excl, top_k=5)
+                             dense_log_probs=dense[None], dense_weight=dense_weight, exclude_seen=excl, top_k=5)
         k = alone[0].shape[1]
         for got, want in zip(batched, alone):
             assert torch.equal(got[b, :k], want[0]), b
 
 
-def test_tuning_picks_the_best_validation_weight(small):
+def test_tuning_picks_the_best_validation_weights(small):
     data, model = small
-    weights = (0.0, 0.5, 1.0, 3.0)
-    best, tables = tune_fusion_weight(model, data, DECODE, weights=weights, progress=False)
+    weights = ((0.0, 0.0), (0.5, 0.0), (1.0, 0.5), (3.0, 1.0))
+    best, tables = tune_fusion_weights(model, data, DECODE, weights=weights, progress=False)
     assert set(best) == set(tables) == {"seen_included", "seen_excluded"}
     for policy, table in tables.items():  # each policy's weight is chosen with that policy applied
         assert set(table) == set(weights)

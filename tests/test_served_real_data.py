@@ -27,8 +27,9 @@ def real(tmp_path_factory, data_dir):
     cfg = ModelConfig(num_items=data.num_items, d_model=16, num_layers=2, num_heads=2, max_seq_len=40,
                       codebook_sizes=(8, 8, 8, 1), dropout=0.0)
     model = build_model(data, cfg, embedding_dim=16).eval()
-    # the served fused order must take the checkpoint's weight of each seen-item policy
-    model.cfg.rank_fusion_weight, model.cfg.rank_fusion_weight_seen_excluded = 0.37, 1.9
+    # the served fused order must take the checkpoint's weights of each seen-item policy: the
+    # ranker's, and the dense head's (off with seen items kept, on with them excluded)
+    model.cfg.set_fusion_weights((0.37, 0.0), (1.9, 0.6))
     tmp = tmp_path_factory.mktemp("real")
     ckpt = tmp / "ml100k.pt"
     model.save(ckpt)
@@ -53,13 +54,21 @@ def test_served_equals_offline_on_real_users(real):
 
 def test_served_lists_without_seen_items_equal_offline(real):
     """EXCLUDE_SEEN: the ranker leaves out the candidates already in the session's history and
-    orders the rest with the checkpoint's second weight, as GenerativeRecommender.recommend does."""
+    orders the rest with the checkpoint's second weights (the ranker's and the dense head's), as
+    GenerativeRecommender.recommend does."""
     from perf.served_eval import eval_histories, offline_topk, served_topk
 
-    batch = eval_histories(real["model"], real["data"], 25)
-    kept, _ = served_topk(real["url"], real["model"], batch, DECODE, 10, concurrency=2)
-    served, _ = served_topk(real["url"], real["model"], batch, DECODE, 10, concurrency=2, exclude_seen=True)
-    assert torch.equal(served, offline_topk(real["model"], batch, DECODE, 10, exclude_seen=True))
+    model = real["model"]
+    batch = eval_histories(model, real["data"], 25)
+    kept, _ = served_topk(real["url"], model, batch, DECODE, 10, concurrency=2)
+    served, _ = served_topk(real["url"], model, batch, DECODE, 10, concurrency=2, exclude_seen=True)
+    offline = offline_topk(model, batch, DECODE, 10, exclude_seen=True)
+    assert torch.equal(served, offline)
+    model.cfg.dense_fusion_weight_seen_excluded = 0.0
+    try:  # the dense head's term moves these lists: the equality above saw it served
+        assert not torch.equal(offline, offline_topk(model, batch, DECODE, 10, exclude_seen=True))
+    finally:
+        model.cfg.dense_fusion_weight_seen_excluded = 0.6
     seen = (served[:, :, None] == batch.items[:, None, :]).any(-1) & (served > 0)
     assert not seen.any()
     assert ((kept[:, :, None] == batch.items[:, None, :]).any(-1) & (kept > 0)).any()  # there was something to leave out

@@ -97,6 +97,7 @@ def _ranker_inputs(n=3, W=4):
     codes = np.tile(np.arange(C, dtype=np.int32) % 3, (1, W, 1))
     codes[0, -1] = -1
     return dict(
+        states=np.zeros((1, n, SIZES["D"]), np.float32),
         keys=np.zeros((1, L, n, H, DH), np.float32),
         values=np.ones((1, L, n, H, DH), np.float32),
         timestamps=1000 + np.arange(n, dtype=np.int64)[None],
@@ -128,13 +129,14 @@ def test_ranker_input_checks():
     int64_max = np.iinfo(np.int64).max
     cases = [
         # shapes that disagree between inputs, and sizes out of bounds
-        (dict(values=few["values"]), r"disagree on the number of rows n: HISTORY_KEYS has 3, HISTORY_VALUES has 2"),
+        (dict(values=few["values"]), r"disagree on the number of rows n: .*HISTORY_KEYS has 3, HISTORY_VALUES has 2"),
         (dict(timestamps=more["timestamps"]), "HISTORY_TIMESTAMPS has 4"),
+        (dict(states=few["states"]), r"HISTORY_STATES has 2, HISTORY_KEYS has 3"),
         (dict(history_items=few["history_items"]), "HISTORY_ITEMS has 2"),
         (dict(log_probs=few["log_probs"]), r"disagree on the number of candidates W: .*CANDIDATE_LOG_PROBS has 3"),
         (dict(codes=more["codes"]), "CANDIDATE_CODES has 5"),
         ({k: v[:, :, :0] if k in ("keys", "values") else v[:, :0] for k, v in good.items() if k in
-          ("keys", "values", "timestamps", "history_items")}, "HISTORY_KEYS has no rows"),
+          ("states", "keys", "values", "timestamps", "history_items")}, "HISTORY_KEYS has no rows"),
         (dict(max_history=2), "HISTORY_KEYS has 3 history rows, more than the model's max history 2"),
         (dict(candidates=good["candidates"][:, :0], log_probs=good["log_probs"][:, :0], codes=good["codes"][:, :0]),
          "CANDIDATE_ITEMS is empty"),
@@ -160,7 +162,8 @@ def test_ranker_input_checks():
         # -1 names no code, and candidate 0 is not an empty beam
         (dict(codes=_with("codes", (0, 0, 0), -1)), "CANDIDATE_CODES out of range .* candidate 0, level 0: -1"),
         (dict(codes=_with("codes", (0, 3, 0), -2)), "candidate 3, level 0: -2"),
-        # history K/V
+        # history states and K/V
+        (dict(states=_with("states", (0, 2, 1), np.inf)), r"HISTORY_STATES holds 1 non-finite value"),
         (dict(keys=_with("keys", (0, 1, 2, 0, 5), np.nan)),
          r"HISTORY_KEYS holds 1 non-finite value\(s\).* \[0, 1, 2, 0, 5\]"),
         (dict(values=_with("values", (0, 0, 0, 1, 0), -np.inf)), "HISTORY_VALUES holds 1 non-finite value"),

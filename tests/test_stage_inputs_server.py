@@ -68,10 +68,11 @@ def decode(client, states, **kw):
 
 
 def ranker_request(client, decoded, cfg, n=5):
-    """A valid ranker request: random history K/V, the decoder's real candidates."""
+    """A valid ranker request: random history states and K/V, the decoder's real candidates."""
     rng = np.random.default_rng(1)
     L, H, DH = cfg.num_layers, cfg.num_heads, cfg.d_model // cfg.num_heads
     return {
+        P.HISTORY_STATES: rng.standard_normal((1, n, cfg.d_model)).astype(np.float32),
         P.HISTORY_KEYS: rng.standard_normal((1, L, n, H, DH)).astype(np.float32),
         P.HISTORY_VALUES: rng.standard_normal((1, L, n, H, DH)).astype(np.float32),
         P.HISTORY_TIMESTAMPS: (1000 + 60 * np.arange(n, dtype=np.int64))[None],
@@ -122,7 +123,7 @@ def test_ranker_refuses_bad_inputs(served):
     top = rank(client, good)
     assert top.as_numpy(P.RECOMMENDED_IDS.name).shape == (1, 3)
 
-    K, V, TS, HI = P.HISTORY_KEYS, P.HISTORY_VALUES, P.HISTORY_TIMESTAMPS, P.HISTORY_ITEMS
+    S, K, V, TS, HI = P.HISTORY_STATES, P.HISTORY_KEYS, P.HISTORY_VALUES, P.HISTORY_TIMESTAMPS, P.HISTORY_ITEMS
     CI, LP, CC = P.CANDIDATE_ITEMS, P.CANDIDATE_LOG_PROBS, P.CANDIDATE_CODES
     longer = ranker_request(client, decode(client, _states(cfg)), cfg, n=MAX_HISTORY + 1)
     cases = [
@@ -133,7 +134,8 @@ def test_ranker_refuses_bad_inputs(served):
         ({CI: changed(good[CI], (0, 0), INT64_MAX)}, CI, "out of range"),
         ({HI: changed(good[HI], (0, 0), -1)}, HI, "out of range"),
         ({HI: changed(good[HI], (0, 3), INT64_MAX)}, HI, "out of range"),
-        # history K/V
+        # history states and K/V
+        ({S: changed(good[S], (0, 4, 1), np.inf)}, S, "non-finite"),
         ({K: changed(good[K], (0, 1, 2, 0, 3), np.nan)}, K, "non-finite"),
         ({V: changed(good[V], (0, 0, 4, 1, 0), np.inf)}, V, "non-finite"),
         # candidate log-probs and codes
@@ -148,9 +150,10 @@ def test_ranker_refuses_bad_inputs(served):
         # shapes that disagree between inputs, or too long a history
         ({V: good[V][:, :, :4]}, V, "disagree on the number of rows n"),
         ({HI: good[HI][:, :3]}, HI, "disagree on the number of rows n"),
+        ({S: good[S][:, 1:]}, S, "disagree on the number of rows n"),
         ({CC: good[CC][:, :-1]}, CC, "disagree on the number of candidates W"),
         ({LP: good[LP][:, :-2]}, LP, "disagree on the number of candidates W"),
-        ({k: longer[k] for k in (K, V, TS, HI)}, K.name, f"max history {MAX_HISTORY}"),
+        ({k: longer[k] for k in (S, K, V, TS, HI)}, K.name, f"max history {MAX_HISTORY}"),
     ]
     for replace, spec, problem in cases:
         name = spec if isinstance(spec, str) else spec.name

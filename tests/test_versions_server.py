@@ -131,8 +131,8 @@ def _changed_package(root):
         shutil.copy2(pub.PROJECT_ROOT / "model_repository" / m / "model.py", root / "model_repository" / m / "model.py")
     for rel, old, new in (
         ("__init__.py", f'__version__ = "{backend_src.__version__}"', f'__version__ = "{CHANGED_VERSION}"'),
-        ("model/recommender.py", "return (log_probs + weight * rank_scores).masked_fill(",
-         f"return (log_probs + weight * rank_scores + {SHIFT}).masked_fill("),
+        ("model/recommender.py", "scores = log_probs + weight * rank_scores\n",
+         f"scores = log_probs + weight * rank_scores + {SHIFT}\n"),
     ):
         path = root / "backend_src" / rel
         text = path.read_text()

@@ -64,6 +64,10 @@ class HistoryCache:
     def device(self) -> torch.device:
         return self.states.device
 
+    def last_states(self) -> torch.Tensor:
+        """[B, D] each history's last final state (what the dense head scores items against)."""
+        return self.states[torch.arange(self.batch_size, device=self.device), (self.lengths - 1).clamp_min(0)]
+
     def _map(self, fn) -> "HistoryCache":
         """Apply fn(name, tensor) to every field."""
         return HistoryCache(**{f.name: fn(f.name, getattr(self, f.name)) for f in fields(self)})

@@ -33,12 +33,16 @@ STAGE_PARTS = {
 }
 
 
-def fuse(rank_scores: torch.Tensor, log_probs: torch.Tensor, weight) -> torch.Tensor:
-    """The fused order's score, weight * M-FALCON logit + retrieval log-probability (a product
-    of the two experts); weight is a number or broadcasts against the scores (e.g. [B, 1], one
-    per request). A candidate the ranker scores -inf (an empty slot) stays -inf (also where a
-    zero weight made 0 * -inf a NaN)."""
-    return (log_probs + weight * rank_scores).masked_fill(rank_scores == float("-inf"), float("-inf"))
+def fuse(rank_scores: torch.Tensor, log_probs: torch.Tensor, weight, dense_log_probs: torch.Tensor | None = None,
+         dense_weight=0.0) -> torch.Tensor:
+    """The fused order's score, retrieval log-probability + weight * M-FALCON logit + dense_weight
+    * the dense head's log-softmax (a product of the experts); each weight is a number or
+    broadcasts against the scores (e.g. [B, 1], one per request). A candidate the ranker scores
+    -inf (an empty slot) stays -inf (also where a zero weight made 0 * -inf a NaN)."""
+    scores = log_probs + weight * rank_scores
+    if dense_log_probs is not None:
+        scores = scores + dense_weight * dense_log_probs
+    return scores.masked_fill(rank_scores == float("-inf"), float("-inf"))
 
 
 def seen_in_history(candidates: torch.Tensor, history: torch.Tensor) -> torch.Tensor:
@@ -57,15 +61,17 @@ def served_order(
     history_items: torch.Tensor | None = None,  # [B, N] item indices (0 = padding); needed to exclude seen
     *,
     fusion_weight=1.0,  # a number, or [B, 1]: one per row
+    dense_log_probs: torch.Tensor | None = None,  # [B, W] the dense head's log-softmax at the candidates
+    dense_weight=0.0,  # a number, or [B, 1]
     rank_by: str = "fused",
     exclude_seen=False,  # a bool, or [B] bool: one per row
     top_k: int = 10,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The served order, the one definition the model, the server and the evaluation share.
 
-    score = fusion_weight * rank_score + log_prob ("fused") or rank_score ("ranker"). A candidate
-    is dropped (score -inf) when it is empty (item 0), has no finite score, or, with exclude_seen,
-    is in its row's history. The min(top_k, W) best come first; ties keep the candidates' order
+    score = log_prob + fusion_weight * rank_score [+ dense_weight * dense_log_prob] ("fused", `fuse`)
+    or rank_score ("ranker"). A candidate is dropped (score -inf) when it is empty (item 0), has no
+    finite score, or, with exclude_seen, is in its row's history. The min(top_k, W) best come first; ties keep the candidates' order
     (the beam order). A dropped or missing candidate leaves an empty slot: item 0, score and
     log-probability -inf, after every real one.
 
@@ -73,7 +79,7 @@ def served_order(
     columns of `candidates` the slots came from (to gather e.g. semantic IDs; mask empty slots
     with items == 0)."""
     if rank_by == "fused":
-        scores = fuse(rank_scores, log_probs, fusion_weight)
+        scores = fuse(rank_scores, log_probs, fusion_weight, dense_log_probs, dense_weight)
     elif rank_by == "ranker":
         scores = rank_scores
     else:
@@ -252,6 +258,11 @@ class GenerativeRecommender(nn.Module):
         scores[..., 0] = float("-inf")
         return scores
 
+    def dense_log_probs(self, user_states: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+        """user_states [B, D] (each history's last state), candidates [B, W] item indices -> [B, W]
+        the dense head's log-softmax over all items at the candidates (-inf at item 0)."""
+        return torch.log_softmax(self.dense_scores(user_states).float(), -1).gather(1, candidates.clamp_min(0))
+
     def rank(self, cache: HistoryCache, candidates: torch.Tensor, microbatch_size: int = RANKER_MICROBATCH) -> torch.Tensor:
         return self.ranker.score(cache, candidates, microbatch_size)
 
@@ -268,13 +279,15 @@ class GenerativeRecommender(nn.Module):
     ) -> Recommendations:
         """Retrieve beam_width candidates by semantic-ID beam search, rank them with M-FALCON
         against the same cached history, return the top_k in the served order (`served_order`:
-        "ranker": the M-FALCON logit; "fused": w * logit + retrieval log-probability,
-        w = cfg.fusion_weight(exclude_seen))."""
+        "ranker": the M-FALCON logit; "fused": retrieval log-probability + w * logit + v * dense
+        log-softmax, (w, v) = cfg.fusion_weights(exclude_seen))."""
         beams = self.retrieve(cache, options)
         rank_scores = self.rank(cache, beams.item_ids, microbatch_size)  # [B, W]; -inf for empty beams
+        w, v = self.cfg.fusion_weights(exclude_seen)
+        dense = self.dense_log_probs(cache.last_states(), beams.item_ids) if v else None
         items, scores, log_probs, top = served_order(
-            rank_scores, beams.log_probs, beams.item_ids, history_items,
-            fusion_weight=self.cfg.fusion_weight(exclude_seen), rank_by=rank_by, exclude_seen=exclude_seen, top_k=top_k,
+            rank_scores, beams.log_probs, beams.item_ids, history_items, fusion_weight=w, dense_log_probs=dense,
+            dense_weight=v, rank_by=rank_by, exclude_seen=exclude_seen, top_k=top_k,
         )
         codes = torch.gather(beams.codes, 1, top[:, :, None].expand(-1, -1, beams.codes.shape[-1]))
         return Recommendations(

@@ -125,7 +125,7 @@ DECODE_OPTION_INPUTS = (BEAM_WIDTH, DECODE_MODE, PFA_K, PFA_R, SELECTION_STEP)
 OPTION_INPUTS = (TOP_K, EXCLUDE_SEEN) + DECODE_OPTION_INPUTS
 
 RECOMMENDED_IDS = TensorSpec("RECOMMENDED_IDS", "BYTES", (-1,), doc="raw item ids, best first; empty string = no item")
-RANK_SCORES = TensorSpec("RANK_SCORES", "FP32", (-1,), doc="M-FALCON ranking logits (-inf = no item)")
+RANK_SCORES = TensorSpec("RANK_SCORES", "FP32", (-1,), doc="the served order's scores (-inf = no item)")
 RETRIEVAL_LOG_PROBS = TensorSpec("RETRIEVAL_LOG_PROBS", "FP32", (-1,), doc="beam log-probability of each item")
 SEMANTIC_IDS = TensorSpec("SEMANTIC_IDS", "INT32", (-1, "C"), doc="the items' semantic IDs")
 HISTORY_LENGTH = TensorSpec("HISTORY_LENGTH", "INT64", (1,), doc="events in the session's history after this request")
@@ -176,11 +176,12 @@ DECODER_CONTRACT = ModelContract(
 )
 RANKER_CONTRACT = ModelContract(
     RANKER,
-    inputs=(HISTORY_KEYS, HISTORY_VALUES, HISTORY_TIMESTAMPS, HISTORY_ITEMS, CANDIDATE_ITEMS, CANDIDATE_LOG_PROBS,
-            CANDIDATE_CODES, TOP_K, EXCLUDE_SEEN),
+    # HISTORY_STATES: the last row is the user state the dense head scores the candidates against
+    inputs=(HISTORY_STATES, HISTORY_KEYS, HISTORY_VALUES, HISTORY_TIMESTAMPS, HISTORY_ITEMS, CANDIDATE_ITEMS,
+            CANDIDATE_LOG_PROBS, CANDIDATE_CODES, TOP_K, EXCLUDE_SEEN),
     outputs=(RECOMMENDED_IDS, RANK_SCORES, RETRIEVAL_LOG_PROBS, SEMANTIC_IDS),
-    ragged=("HISTORY_KEYS", "HISTORY_VALUES", "HISTORY_TIMESTAMPS", "HISTORY_ITEMS", "CANDIDATE_ITEMS",
-            "CANDIDATE_LOG_PROBS", "CANDIDATE_CODES"),
+    ragged=("HISTORY_STATES", "HISTORY_KEYS", "HISTORY_VALUES", "HISTORY_TIMESTAMPS", "HISTORY_ITEMS",
+            "CANDIDATE_ITEMS", "CANDIDATE_LOG_PROBS", "CANDIDATE_CODES"),
 )
 ENSEMBLE_CONTRACT = ModelContract(
     ENSEMBLE,

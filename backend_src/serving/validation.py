@@ -223,6 +223,7 @@ def _one_size(problem: str, sizes: dict, layout: str) -> int:
 
 
 def check_ranker_inputs(
+    states: np.ndarray,  # HISTORY_STATES [1, n, D]
     keys: np.ndarray,  # HISTORY_KEYS [1, L, n, H, DH]
     values: np.ndarray,  # HISTORY_VALUES [1, L, n, H, DH]
     timestamps: np.ndarray,  # HISTORY_TIMESTAMPS [1, n]
@@ -241,9 +242,10 @@ def check_ranker_inputs(
     # shapes first: the value checks below index the inputs together
     n = _one_size(
         "history inputs disagree on the number of rows n",
-        {"HISTORY_KEYS": keys.shape[2], "HISTORY_VALUES": values.shape[2], "HISTORY_TIMESTAMPS": timestamps.shape[1],
-         "HISTORY_ITEMS": history_items.shape[1]},
-        "HISTORY_KEYS / HISTORY_VALUES [1, L, n, H, DH], HISTORY_TIMESTAMPS / HISTORY_ITEMS [1, n]",
+        {"HISTORY_STATES": states.shape[1], "HISTORY_KEYS": keys.shape[2], "HISTORY_VALUES": values.shape[2],
+         "HISTORY_TIMESTAMPS": timestamps.shape[1], "HISTORY_ITEMS": history_items.shape[1]},
+        "HISTORY_STATES [1, n, D], HISTORY_KEYS / HISTORY_VALUES [1, L, n, H, DH], HISTORY_TIMESTAMPS / HISTORY_ITEMS "
+        "[1, n]",
     )
     if n == 0:
         raise RequestError("HISTORY_KEYS has no rows: empty history, nothing to rank against")
@@ -281,6 +283,7 @@ def check_ranker_inputs(
             f"CANDIDATE_CODES out of range at {int(np.count_nonzero(~ok))} place(s), the first at candidate {beam}, "
             f"level {level}: {int(c[beam, level])}; level sizes are {sizes.tolist()} (-1 only for an empty beam, item 0)"
         )
+    _check_finite(states, "HISTORY_STATES")
     _check_finite(keys, "HISTORY_KEYS")
     _check_finite(values, "HISTORY_VALUES")
 

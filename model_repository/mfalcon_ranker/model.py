@@ -25,6 +25,7 @@ RUNTIME_BACKENDS = {"auto": "auto", "torch": "torch", "onnx": "onnxruntime", "te
 class _Ranking(NamedTuple):
     """One request's inputs (its batch dimension dropped)."""
 
+    user_state: np.ndarray  # [D] the history's last final state
     keys: np.ndarray  # [L, n, H, dh]
     values: np.ndarray  # [L, n, H, dh]
     timestamps: np.ndarray  # [n]
@@ -91,6 +92,7 @@ class TritonPythonModel:
         P, V = self.P, self.V
         inputs = {t.name(): t for t in request.inputs()}
         read = lambda spec: V.read_input(inputs, spec, self.sizes, self.max_elements)  # noqa: E731
+        states = read(P.HISTORY_STATES)  # [1, n, D]
         keys = read(P.HISTORY_KEYS)  # [1, L, n, H, dh]
         values = read(P.HISTORY_VALUES)
         ts = read(P.HISTORY_TIMESTAMPS)  # [1, n]
@@ -105,11 +107,11 @@ class TritonPythonModel:
         exclude_seen = V.flag(read(P.EXCLUDE_SEEN), P.EXCLUDE_SEEN.name)
         # this model is reachable directly, not only through the ensemble: check before ranking
         V.check_ranker_inputs(
-            keys, values, ts, history_items, cands, log_probs, codes,
+            states, keys, values, ts, history_items, cands, log_probs, codes,
             num_items=self.model.cfg.num_items, codebook_sizes=self.model.cfg.codebook_sizes,
             max_history=self.max_history, max_candidates=self.max_beams,
         )
-        return _Ranking(keys[0], values[0], ts[0], history_items[0], cands[0], log_probs[0], codes[0], top_k, exclude_seen)
+        return _Ranking(states[0, -1], keys[0], values[0], ts[0], history_items[0], cands[0], log_probs[0], codes[0], top_k, exclude_seen)
 
     def _scores(self, reqs, cands):
         """Ranking logits [B, M] of the batch's padded candidate lists cands [B, M] (histories
@@ -143,12 +145,19 @@ class TritonPythonModel:
         history = None
         if bool(exclude.any()):
             history = pad([torch.from_numpy(r.history_items) for r in reqs], batch_first=True)  # [B, n], 0 = padding
-        # each request takes the fusion weight chosen on validation under its seen-item policy
+        # each request takes the fusion weights chosen on validation under its seen-item policy
         cfg = self.model.cfg
-        weight = torch.where(exclude, cfg.fusion_weight(True), cfg.fusion_weight(False))[:, None]
+        (w_kept, v_kept), (w_excl, v_excl) = cfg.fusion_weights(False), cfg.fusion_weights(True)
+        weight = torch.where(exclude, w_excl, w_kept)[:, None]
+        dense_weight = torch.where(exclude, v_excl, v_kept)[:, None]
+        dense = None
+        if self.rank_by == "fused" and bool((dense_weight != 0).any()):
+            user_states = torch.from_numpy(np.stack([r.user_state for r in reqs])).to(self.device)
+            with torch.inference_mode():
+                dense = self.model.dense_log_probs(user_states, cands.to(self.device)).cpu()
         items, scores, log_probs, top = self.served_order(
-            scores, log_probs, cands, history, fusion_weight=weight, rank_by=self.rank_by,
-            exclude_seen=exclude, top_k=max(r.top_k for r in reqs),
+            scores, log_probs, cands, history, fusion_weight=weight, dense_log_probs=dense, dense_weight=dense_weight,
+            rank_by=self.rank_by, exclude_seen=exclude, top_k=max(r.top_k for r in reqs),
         )
         codes = torch.gather(codes, 1, top[:, :, None].expand(-1, -1, codes.shape[-1]))
         return items, scores, log_probs, codes.masked_fill((items == 0)[:, :, None], -1)

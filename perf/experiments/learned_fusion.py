@@ -1,12 +1,14 @@
 """A learned served order: would a linear scorer over more of what the model knows about each of the
-beam's candidates order them better than `w * ranker logit + retrieval log-probability`?
+beam's candidates order them better than the served order (retrieval log-probability + w * ranker
+logit + v * dense log-softmax)?
 
 On the validation split of all users of a validation-run model (its training never saw the split):
 every candidate of the beam (PFA, beam 100) gets eight features: the log-probability of each of its
 semantic ID's codes (the decoder run along the ID, as `multi_source_candidates` does; their sum is
 the beam's score), the M-FALCON logit, the dense head's log-softmax, log(1 + the item's count in the
 training events), and whether the user has already seen it. A linear scorer, started at the served
-order's weights (1 per code, the checkpoint's `w` for the logit, 0 for the rest), is fit by a softmax
+order's weights (1 per code, the checkpoint's w for the logit and v for the dense head, 0 for the
+rest), is fit by a softmax
 cross-entropy over each user's candidates (users whose target is among them), on one half of the users,
 and measured on the other half, and the other way round (two folds, split at random with a fixed seed),
 against the served order on the same users, once per seen-item policy.
@@ -63,7 +65,7 @@ def fit(x, valid, target_pos, w0, steps=300, l2=1e-3):
     return w.detach()
 
 
-def two_folds(p, w_rank, exclude, seed=0):
+def two_folds(p, weights, exclude, seed=0):
     """The served order and the learned one, each measured on the half of the users the weights were
     not fit on, both folds; means over the folds weighted by users."""
     x = p["features"]
@@ -72,7 +74,8 @@ def two_folds(p, w_rank, exclude, seed=0):
     hit = (p["union"] == p["target"][:, None]) & valid
     target_pos = torch.where(hit.any(1), hit.float().argmax(1), torch.full_like(p["target"], -1))
     x = torch.where(valid[..., None], x, torch.zeros(()))  # -inf features of empty slots never enter
-    w0 = torch.tensor([1.0, 1.0, 1.0, 1.0, w_rank, 0.0, 0.0, 0.0])
+    w_rank, w_dense = weights  # the checkpoint's (w, v)
+    w0 = torch.tensor([1.0, 1.0, 1.0, 1.0, w_rank, w_dense, 0.0, 0.0])
     order = torch.from_numpy(np.random.default_rng(seed).permutation(len(x)))
     halves = (order[: len(x) // 2], order[len(x) // 2:])
     sums = {"served": {}, "learned": {}}
@@ -109,7 +112,7 @@ def main():
     p = features(model, data, args.dense_top, users)
     rows = []
     for exclude in (False, True):
-        r = two_folds(p, model.cfg.fusion_weight(exclude), exclude)
+        r = two_folds(p, model.cfg.fusion_weights(exclude), exclude)
         rows.append(dict(dataset=args.data, checkpoint=args.checkpoint, seen=SEEN_POLICIES[exclude], users=len(p["target"]),
                          dense_top=args.dense_top, features=list(FEATURES), **r))
         for name in ("served", "learned"):

@@ -7,8 +7,9 @@ served order? On the validation split of all users of each trained model:
   log-probability: the decoder scored along the candidate's own semantic ID (teacher forcing, full
   attention, the same constrained softmax as the beam; for the beam's own candidates it equals the
   beam's log-probability wherever PFA keeps every history row, as at histories of 50);
-- the order w_retrieval * log-prob + w_rank * logit + w_dense * dense log-prob over the union, on a
-  grid, against the served order over the beam alone (the checkpoint's fusion weight).
+- the order w_retrieval * log-prob + w_rank * logit + w_dense * dense log-prob on a grid, over the
+  union and over the beam's candidates alone (the dense head as a third score, no new candidates),
+  against the served order over the beam (the checkpoint's fusion weights).
 
 Needs trained models (`make train-beauty`, `make train-scientific`). Run from the repository root:
     python -m perf.experiments.multi_source_candidates      # -> perf/results/multi_source_candidates.json
@@ -27,7 +28,7 @@ from backend_src.data.loaders import load_dataset
 from backend_src.data.sequences import eval_batches
 from backend_src.evaluation import SEEN_POLICIES
 from backend_src.metrics import METRIC_NAMES, MetricAccumulator
-from backend_src.model.recommender import GenerativeRecommender, served_order
+from backend_src.model.recommender import GenerativeRecommender, fuse, served_order
 from perf.common import RESULTS_DIR, host_load, log, save_result
 
 NEG_INF = float("-inf")
@@ -93,23 +94,24 @@ def metrics(p, scores, candidates, exclude):
 
 
 def compare(p, beam_width, weights):
-    """Rows: the served order over the beam (the checkpoint's weight) and the best union order on
-    the grid, for each seen-item policy."""
+    """Rows: the served order over the beam (the checkpoint's weights), and the best order on the
+    grid over the beam's candidates and over the union, for each seen-item policy."""
     beam = slice(0, beam_width)
     covered = lambda c: float((c == p["target"][:, None]).any(1).float().mean())  # noqa: E731
     out = {"coverage_beam": covered(p["union"][:, beam]), "coverage_union": covered(p["union"]),
            "candidates_union_mean": float((p["union"] > 0).sum(1).float().mean())}
     for exclude in (False, True):
         policy = SEEN_POLICIES[exclude]
-        w = weights[exclude]
-        base = (p["log_prob"][:, beam] + w * p["rank"][:, beam]).masked_fill(p["rank"][:, beam] == NEG_INF, NEG_INF)
-        out[f"beam_fused/{policy}"] = dict(metrics(p, base, p["union"][:, beam], exclude), w_rank=w)
-        grid = []
-        for wr, wd, wl in itertools.product(*GRID.values()):
-            s = (wl * p["log_prob"] + wr * p["rank"] + wd * p["dense"])
-            s = s.masked_fill((p["union"] == 0) | (p["rank"] == NEG_INF), NEG_INF)
-            grid.append(dict(metrics(p, s, p["union"], exclude), w_rank=wr, w_dense=wd, w_retrieval=wl))
-        out[f"union_best/{policy}"] = max(grid, key=lambda r: r["ndcg@10"])
+        w, v = weights[exclude]
+        base = fuse(p["rank"][:, beam], p["log_prob"][:, beam], w, p["dense"][:, beam], v)
+        out[f"beam_fused/{policy}"] = dict(metrics(p, base, p["union"][:, beam], exclude), w_rank=w, w_dense=v)
+        for name, cols in (("beam_dense_best", beam), ("union_best", slice(None))):
+            grid = []
+            for wr, wd, wl in itertools.product(*GRID.values()):
+                s = wl * p["log_prob"][:, cols] + wr * p["rank"][:, cols] + wd * p["dense"][:, cols]
+                s = s.masked_fill((p["union"][:, cols] == 0) | (p["rank"][:, cols] == NEG_INF), NEG_INF)
+                grid.append(dict(metrics(p, s, p["union"][:, cols], exclude), w_rank=wr, w_dense=wd, w_retrieval=wl))
+            out[f"{name}/{policy}"] = max(grid, key=lambda r: r["ndcg@10"])
     return out
 
 
@@ -133,7 +135,7 @@ def main():
         p = collect(model, data, args.dense_top, users)
         row = dict(dataset=data_name, checkpoint=checkpoint, users=len(p["target"]), dense_top=args.dense_top,
                    beam_log_prob_max_gap=float(p["beam_gap"].max()),
-                   **compare(p, 100, {e: model.cfg.fusion_weight(e) for e in (False, True)}))
+                   **compare(p, 100, {e: model.cfg.fusion_weights(e) for e in (False, True)}))
         rows.append(row)
         for k, v in row.items():
             if isinstance(v, dict):

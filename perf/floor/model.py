@@ -7,7 +7,7 @@ stubs and their shared memory) and carries tensors of the real sizes, but no mod
 - history_encoder counts each session's events and returns zero states / K / V for that many
   rows (HISTORY_STATES [1, n, D], HISTORY_KEYS/VALUES [1, L, n, H, DH], ...);
 - pfa_decoder reads the states and returns BEAM_WIDTH zero candidates;
-- mfalcon_ranker reads the K/V and candidates and returns TOP_K empty recommendations.
+- mfalcon_ranker reads the states, K/V and candidates and returns TOP_K empty recommendations.
 """
 import json
 
@@ -68,7 +68,7 @@ class TritonPythonModel:
         }
 
     def _ranker(self, request):
-        for name in ("HISTORY_KEYS", "HISTORY_VALUES", "HISTORY_TIMESTAMPS", "HISTORY_ITEMS", "CANDIDATE_ITEMS",
+        for name in ("HISTORY_STATES", "HISTORY_KEYS", "HISTORY_VALUES", "HISTORY_TIMESTAMPS", "HISTORY_ITEMS", "CANDIDATE_ITEMS",
                      "CANDIDATE_LOG_PROBS", "CANDIDATE_CODES"):
             self._input(request, name)
         k = self._option(request, "TOP_K", self.top_k)
