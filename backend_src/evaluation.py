@@ -17,7 +17,7 @@ from tqdm import tqdm
 from backend_src.config import DecodeOptions
 from backend_src.data.sequences import eval_batches
 from backend_src.metrics import MetricAccumulator
-from backend_src.model.recommender import served_order
+from backend_src.model.recommender import log_softmax_at, served_order
 
 SEEN_POLICIES = ("seen_included", "seen_excluded")  # indexed by exclude (False, True)
 
@@ -62,11 +62,11 @@ def evaluate(
         t_retrieve += time.perf_counter() - t0
         # each order ranks through served_order, the server's own: {name: exclude_seen -> items [B, max(ks)]}
         orders = {"retrieval": lambda excl: drop_seen(beams.item_ids, beams.log_probs, batch.items, excl, max(ks))}
-        user_states = cache.last_states()
+        dense_scores = model.dense_scores(cache.last_states())  # [B, I+1]: every item, once per batch
         if rank:
             t0 = time.perf_counter()
             rank_scores = model.rank(cache, beams.item_ids)
-            dense_log_probs = model.dense_log_probs(user_states, beams.item_ids)
+            dense_log_probs = log_softmax_at(dense_scores, beams.item_ids)
             t_rank += time.perf_counter() - t0
 
             def served(excl, rank_by, weights=(0.0, 0.0)):
@@ -81,8 +81,7 @@ def evaluate(
             for wv in fusion_weights:
                 orders[fused_name(*wv)] = lambda excl, wv=wv: served(excl, "fused", wv)
         if dense:
-            scores = model.dense_scores(user_states)
-            top = torch.topk(scores, max(options.beam_width, max(ks)) + batch.items.shape[1], dim=1)
+            top = torch.topk(dense_scores, max(options.beam_width, max(ks)) + batch.items.shape[1], dim=1)
             orders["dense"] = lambda excl: drop_seen(top.indices, top.values, batch.items, excl, max(ks))
         for name, ranked in orders.items():
             for excl in (False, True):

@@ -45,6 +45,11 @@ def fuse(rank_scores: torch.Tensor, log_probs: torch.Tensor, weight, dense_log_p
     return scores.masked_fill(rank_scores == float("-inf"), float("-inf"))
 
 
+def log_softmax_at(scores: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+    """scores [B, I+1] of every item -> [B, W] their log-softmax at candidates [B, W] item indices."""
+    return torch.log_softmax(scores.float(), -1).gather(1, candidates.clamp_min(0))
+
+
 def seen_in_history(candidates: torch.Tensor, history: torch.Tensor) -> torch.Tensor:
     """candidates [B, W], history [B, N] item indices -> [B, W] bool: the candidate is one of its
     row's history items (a history padded with 0 matches only the empty candidate 0)."""
@@ -71,8 +76,8 @@ def served_order(
 
     score = log_prob + fusion_weight * rank_score [+ dense_weight * dense_log_prob] ("fused", `fuse`)
     or rank_score ("ranker"). A candidate is dropped (score -inf) when it is empty (item 0), has no
-    finite score, or, with exclude_seen, is in its row's history. The min(top_k, W) best come first; ties keep the candidates' order
-    (the beam order). A dropped or missing candidate leaves an empty slot: item 0, score and
+    finite score, or, with exclude_seen, is in its row's history. The min(top_k, W) best come
+    first; ties keep the candidates' order (the beam order). A dropped or missing candidate leaves an empty slot: item 0, score and
     log-probability -inf, after every real one.
 
     Returns [B, min(top_k, W)] each: (items, scores, log_probs, positions), positions being the
@@ -261,7 +266,7 @@ class GenerativeRecommender(nn.Module):
     def dense_log_probs(self, user_states: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
         """user_states [B, D] (each history's last state), candidates [B, W] item indices -> [B, W]
         the dense head's log-softmax over all items at the candidates (-inf at item 0)."""
-        return torch.log_softmax(self.dense_scores(user_states).float(), -1).gather(1, candidates.clamp_min(0))
+        return log_softmax_at(self.dense_scores(user_states), candidates)
 
     def rank(self, cache: HistoryCache, candidates: torch.Tensor, microbatch_size: int = RANKER_MICROBATCH) -> torch.Tensor:
         return self.ranker.score(cache, candidates, microbatch_size)

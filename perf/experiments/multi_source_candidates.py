@@ -69,8 +69,7 @@ def collect(model, data, dense_top, users=None):
     for b in eval_batches(data, split="valid", batch_size=128, max_len=model.cfg.max_seq_len, users=users):
         cache = model.encode(b.items, b.actions, b.timestamps, b.lengths)
         beams = model.retrieve(cache, opts)
-        last = cache.states[torch.arange(len(b.lengths)), b.lengths - 1]
-        dense = torch.log_softmax(model.dense_scores(last), -1)
+        dense = torch.log_softmax(model.dense_scores(cache.last_states()), -1)
         top = torch.topk(dense, dense_top, 1).indices
         new = top.masked_fill((top[:, :, None] == beams.item_ids[:, None, :]).any(-1), 0)
         union = torch.cat([beams.item_ids, new], 1)
