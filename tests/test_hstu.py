@@ -347,3 +347,28 @@ def test_merge_rows():
     new = torch.tensor([[7, 8], [9, 0]])
     out = merge_rows(old, new, torch.tensor([2, 1]), torch.tensor([2, 1]), 4)
     assert out.tolist() == [[1, 2, 7, 8], [5, 9, 0, 0]]
+
+
+def test_a_long_history_encoded_in_query_blocks_equals_the_whole_matrix(monkeypatch):
+    """Past CAUSAL_BLOCK rows the full pass computes its attention a block of queries at a time, each
+    against the keys up to its last query: the same cache as the whole [N, N] matrix (padding rows,
+    ragged lengths and a last block shorter than the others included), and the same gradients."""
+    from backend_src.ops import reference
+
+    cfg = tiny_config(max_seq_len=200, dropout=0.0)  # train mode below: no random masks to differ
+    enc = make_encoder(cfg, seed=4)
+    batch = make_batch([200, 131, 57], seed=14)
+    monkeypatch.setattr(reference, "CAUSAL_BLOCK", 64)  # blocks [0, 64), [64, 128), [128, 192), [192, 200)
+    blocked = enc(*batch)
+    monkeypatch.setattr(reference, "CAUSAL_BLOCK", 10**9)
+    whole = enc(*batch)
+    for name in ("states", "keys", "values"):
+        assert torch.allclose(getattr(blocked, name), getattr(whole, name), atol=1e-5), name
+    grads = []
+    for block in (64, 10**9):
+        monkeypatch.setattr(reference, "CAUSAL_BLOCK", block)
+        enc.zero_grad()
+        enc.train()(*batch).states.pow(2).sum().backward()
+        grads.append([p.grad.clone() for p in enc.parameters()])
+    for a, b in zip(*grads):
+        assert torch.allclose(a, b, atol=1e-5)

@@ -381,7 +381,7 @@ class HSTUEncoder(nn.Module):
         x = self.embed(items, actions) * vmask
         pos = torch.arange(N, device=items.device).expand(B, N)
         no_self = torch.full_like(pos, -1)
-        keys, values, shared = [], [], {}
+        keys, values, shared = [], [], {"self_causal": True}
         for layer in self.layers:
             u, q, k, v = layer.project(x)
             k = k * vmask[..., None]  # padding rows hold zeros in the cache

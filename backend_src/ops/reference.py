@@ -114,12 +114,16 @@ def hstu_attention(
     queries' own (q_self[b, i] = Nk - M + i, M-FALCON's layout) and that the queries of a row share
     one position and timestamp (the candidates' next position): the [M, M] block among them, all
     masked but its diagonal, is then never computed, and the history block's biases and mask are
-    computed once per row.
+    computed once per row. shared["self_causal"] = True says the queries are the keys, at positions
+    0..N-1 (a history encoded whole): long ones are computed in blocks of queries (CAUSAL_BLOCK).
     """
     M = q.shape[1]
     if shared is not None and shared.get("own_keys") == M:
         return _hstu_attention_own_keys(q, k, v, q_pos, k_pos, q_ts, k_ts, num_history, pos_bias, time_bias,
                                         time_base, scale, norm, shared)
+    if shared is not None and shared.get("self_causal") and M > CAUSAL_BLOCK:
+        return _hstu_attention_causal_blocks(q, k, v, q_pos, q_ts, num_history, pos_bias, time_bias, time_base,
+                                             scale, norm, shared)
     # matmul on transposed views, not einsum: for one appended row the permutes and reshapes
     # around einsum cost as much as the products themselves
     logits = torch.matmul(q.transpose(1, 2), k.permute(0, 2, 3, 1))  # [B, H, M, Nk]
@@ -131,6 +135,33 @@ def hstu_attention(
             shared["hstu_layout"] = layout
     attn = _hstu_weights(logits, layout, pos_bias, time_bias, scale)
     return torch.matmul(attn, v.transpose(1, 2)).transpose(1, 2)  # [B, M, H, dv]
+
+
+# Query rows per block of a long causal self-attention (a history encoded whole): a block's
+# [H, CAUSAL_BLOCK, keys] intermediates stay in the core's cache instead of streaming [H, N, N]
+# through memory several times a layer, and the keys past a block's last query, masked for all
+# of its queries, are never computed (the upper triangle, about half the pairs)
+CAUSAL_BLOCK = 128
+
+
+def _hstu_attention_causal_blocks(q, k, v, pos, ts, num_history, pos_bias, time_bias, time_base, scale, norm,
+                                  shared):
+    """hstu_attention where the queries are the keys at positions 0..N-1 (shared["self_causal"]: the
+    full pass over a history), query block [s, e) against keys [0, e) only. Each block's bias rows
+    and mask are computed by the first layer and reused by the others."""
+    N = q.shape[1]
+    layouts = shared.setdefault("causal_layouts", {})
+    out = []
+    for s in range(0, N, CAUSAL_BLOCK):
+        e = min(N, s + CAUSAL_BLOCK)
+        layout = layouts.get(s)
+        if layout is None:
+            layout = layouts[s] = _hstu_layout(pos[:, s:e], pos[:, :e], ts[:, s:e], ts[:, :e], num_history, None,
+                                               pos_bias, time_bias, time_base, norm, q.dtype)
+        logits = torch.matmul(q[:, s:e].transpose(1, 2), k[:, :e].permute(0, 2, 3, 1))  # [B, H, e - s, e]
+        attn = _hstu_weights(logits, layout, pos_bias, time_bias, scale)
+        out.append(torch.matmul(attn, v[:, :e].transpose(1, 2)).transpose(1, 2))  # [B, e - s, H, dv]
+    return torch.cat(out, 1)
 
 
 def _hstu_layout(q_pos, k_pos, q_ts, k_ts, num_history, q_self, pos_bias, time_bias, time_base, norm, dtype):
