@@ -119,6 +119,11 @@ class TrainConfig:
     # uniform negatives of its sampled softmax (0 = a softmax over the whole catalog)
     dense_weight: float = 1.0
     dense_negatives: int = 0
+    # negatives drawn from the user's own events up to the scored position, per position: this
+    # many of the ranker's negatives, and as many more for the dense head's softmax. Where a data
+    # set has no repeat consumption, they teach both heads what its targets say (an item already
+    # seen is not next); where it has, an event equal to the target is masked, not a negative
+    seen_negatives: int = 0
     # "constant", or "cosine": lr decays to lr * lr_min_ratio over the run (its time budget when
     # one is given, else its epochs)
     lr_schedule: str = "constant"

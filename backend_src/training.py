@@ -128,10 +128,16 @@ def losses(model: GenerativeRecommender, batch, sampler: NegativeSampler, tcfg: 
         pos = (torch.rand(len(n_valid), tcfg.ranker_positions, generator=gen) * n_valid[:, None]).long()
         positives = targets.gather(1, pos)
         negatives = sampler.sample(positives.reshape(-1), model.cfg.ranker_negatives, gen).view(*pos.shape, -1)
-    dense_negatives = None
+        if tcfg.seen_negatives > 0:  # the last of them replaced by events at or before the position
+            h = min(tcfg.seen_negatives, negatives.shape[-1])
+            negatives[..., -h:] = seen_events(batch.items, pos, h, gen)
+    dense_negatives = dense_seen = None
     if dense_weight > 0:
         n_neg = tcfg.dense_negatives
         dense_negatives = torch.randint(1, model.cfg.num_items + 1, (n_neg,), generator=gen) if n_neg > 0 else None
+        if tcfg.seen_negatives > 0:
+            every = torch.arange(targets.shape[1]).expand_as(targets)
+            dense_seen = seen_events(batch.items, every, tcfg.seen_negatives, gen)  # [B, N, h]
 
     share = {}
     if rows is not None:
@@ -146,6 +152,8 @@ def losses(model: GenerativeRecommender, batch, sampler: NegativeSampler, tcfg: 
             share["ranking"] = int(ranked[rows].sum()) / n_ranked if n_ranked else 0.0
             pos, positives, negatives = pos[rows], positives[rows], negatives[rows]
         batch = take_rows(batch, rows)
+        if dense_seen is not None:
+            dense_seen = dense_seen[rows, :batch.items.shape[1]]
 
     device = model.backbone.item_embedding.weight.device
     batch = batch.to(device)
@@ -161,7 +169,8 @@ def losses(model: GenerativeRecommender, batch, sampler: NegativeSampler, tcfg: 
         out["ranking"] = tcfg.ranker_weight * model.ranker.training_loss(
             cache, pos.to(device), positives.to(device), negatives.to(device))
     if dense_weight > 0:
-        out["dense"] = dense_weight * dense_loss(model, cache.states[valid], targets[valid], dense_negatives)
+        seen = dense_seen.to(device)[valid] if dense_seen is not None else None
+        out["dense"] = dense_weight * dense_loss(model, cache.states[valid], targets[valid], dense_negatives, seen)
     return {k: v * share[k] for k, v in out.items()} if share else out
 
 
@@ -182,16 +191,35 @@ def code_loss(codebook: SemanticIdCodebook, logits: list, codes: torch.Tensor, o
     return total
 
 
-def dense_loss(model: GenerativeRecommender, states, targets, negatives: torch.Tensor | None = None):
+def seen_events(items: torch.Tensor, positions: torch.Tensor, h: int, gen: torch.Generator) -> torch.Tensor:
+    """`h` of each user's own events at or before each position, drawn uniformly with replacement:
+    items [B, N], positions [B, P] -> [B, P, h]."""
+    B, P = positions.shape
+    at = (torch.rand(B, P, h, generator=gen) * (positions[..., None] + 1)).long()
+    return items.gather(1, at.view(B, -1)).view(B, P, h)
+
+
+def dense_loss(model: GenerativeRecommender, states, targets, negatives: torch.Tensor | None = None,
+               seen: torch.Tensor | None = None):
     """CE of the next item by the dense head (states [P, D], targets [P]): over the whole catalog,
     or over the target and `negatives` [S] shared by the batch (a sampled softmax; a negative
-    equal to the target is masked), which costs S / num_items of the full product."""
+    equal to the target is masked), which costs S / num_items of the full product. `seen` [P, h]:
+    each position's own negatives (the user's earlier events), masked too where equal to the target."""
     if negatives is None:
-        return F.cross_entropy(model.dense_scores(states), targets)
+        logits = model.dense_scores(states)
+        if seen is None:
+            return F.cross_entropy(logits, targets)
+        # a full softmax already holds the seen items; their extra copies weigh them more
+        pos = logits.gather(1, targets[:, None])
+        neg = logits.gather(1, seen).masked_fill(seen == targets[:, None], float("-inf"))
+        return torch.logsumexp(torch.cat([logits, neg], 1), 1).mean() - pos.mean()
     states, emb = model.dense_operands(states)
     pos = (states * emb[targets]).sum(-1, keepdim=True)  # [P, 1]
     neg = (states @ emb[negatives].T).masked_fill(negatives[None, :] == targets[:, None], float("-inf"))  # [P, S]
-    return F.cross_entropy(torch.cat([pos, neg], 1), torch.zeros_like(targets))
+    parts = [pos, neg]
+    if seen is not None:
+        parts.append((states[:, None, :] * emb[seen]).sum(-1).masked_fill(seen == targets[:, None], float("-inf")))
+    return F.cross_entropy(torch.cat(parts, 1), torch.zeros_like(targets))
 
 
 def lr_scale(tcfg: TrainConfig, progress: float) -> float:

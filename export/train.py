@@ -137,6 +137,9 @@ def parse_args(argv=None):
     p.add_argument("--dense-temperature", type=float, default=0.0,
                    help="> 0: the dense head scores cosine similarity / this temperature (0: dot product)")
     p.add_argument("--ranker-negatives", type=int, help="sampled negatives per ranker positive")
+    p.add_argument("--seen-negatives", type=int, default=0,
+                   help="per scored position, negatives drawn from the user's own earlier events, for the ranker (of "
+                        "its negatives) and the dense head (beside its own)")
     p.add_argument("--ranker-hard-fraction", type=float, default=0.5,
                    help="share of the ranker negatives drawn among items sharing the positive's first code")
     p.add_argument("--item-embeddings", choices=ITEM_EMBEDDING_SOURCES,
@@ -215,6 +218,7 @@ def run(args, device):
         seed=args.seed,
         dense_weight=args.dense_weight,
         dense_negatives=args.dense_negatives,
+        seen_negatives=args.seen_negatives,
     )
     say(f"{data.name}: {data.num_users} users, {data.num_items} items, {len(data.items)} events")
     if args.resume:

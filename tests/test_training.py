@@ -51,6 +51,41 @@ def test_sampled_dense_loss_over_every_item_is_the_full_softmax():
     assert torch.allclose(cos, torch.nn.functional.cross_entropy(logits, targets - 1), atol=1e-5)
 
 
+def test_seen_negatives_are_the_users_own_events_up_to_the_position():
+    """Each draw is an event of that user at or before the position; a seen negative equal to the
+    target is masked out of the dense head's softmax (repeat consumption is learned, not punished),
+    and one that is not raises the loss."""
+    import torch
+
+    from backend_src.config import ModelConfig
+    from backend_src.model.recommender import GenerativeRecommender
+    from backend_src.model.semantic_ids import SemanticIdCodebook
+    from backend_src.training import dense_loss, seen_events
+
+    gen = torch.Generator().manual_seed(0)
+    items = torch.arange(1, 61).view(3, 20)  # user b's event n is item 20 b + n + 1
+    positions = torch.tensor([[0, 5], [19, 3], [7, 7]])
+    drawn = seen_events(items, positions, 64, gen)
+    assert drawn.shape == (3, 2, 64)
+    at = drawn - 1 - 20 * torch.arange(3)[:, None, None]  # back to event indices
+    assert bool((at >= 0).all()) and bool((at <= positions[..., None]).all())
+    assert bool((drawn[0, 0] == 1).all())  # position 0: only the first event
+    assert len(set(drawn[1, 0].tolist())) >= 16  # 64 draws reach most of its 20 events
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(num_items=40, d_model=16, num_layers=1, num_heads=2, max_seq_len=8)
+    model = GenerativeRecommender(cfg, SemanticIdCodebook(), [None] + [str(i) for i in range(40)])
+    states, targets = torch.randn(6, 16), torch.randint(1, 41, (6,))
+    shared = torch.tensor([1, 2, 3])
+    base = dense_loss(model, states, targets, shared)
+    assert torch.allclose(dense_loss(model, states, targets, shared, targets[:, None].repeat(1, 4)), base)
+    others = (targets[:, None] % 40) + 1  # never the target
+    assert dense_loss(model, states, targets, shared, others) > base
+    full = dense_loss(model, states, targets)
+    assert torch.allclose(dense_loss(model, states, targets, None, targets[:, None]), full, atol=1e-6)
+    assert dense_loss(model, states, targets, None, others) > full
+
+
 @pytest.mark.parametrize("fraction", [0.0, 0.25, 0.5, 1.0])
 def test_ranker_negatives_share_the_first_code_in_the_asked_fraction(fraction):
     """The first int(n * fraction) negatives of a positive share its first semantic-ID code, the
