@@ -26,6 +26,7 @@ import argparse
 import contextlib
 import csv
 import glob
+import itertools
 import json
 import os
 import shutil
@@ -344,12 +345,19 @@ class ServedKinds:
         self.stats_client.close()
 
 
+# The three measurements of a round, in every order in turn: each follows each of the others
+# equally often. What ran just before (the in-process work, or a request through the server's
+# processes) sets how cold a measurement's caches are; one fixed order would always give one of
+# them the heaviest predecessor.
+TURN_ORDERS = tuple(itertools.permutations(("served", "floor", "in_process")))
+
+
 def latency_rows(model, data, url: str, floor_url: str, histories, options: dict, decode_options, top_k: int,
                  requests: int, threads: int) -> tuple:
     """One row per (kind, history): served, in-process and floor p50/p99, measured in turn request
-    by request (each sees the same noise and the same caches left by the others), the in-process
-    work once more back to back (warm: the best it does alone), and a breakdown per stage from
-    Triton's statistics."""
+    by request (each sees the same noise, and follows each of the others equally often), the
+    in-process work once more back to back (warm: the best it does alone), and a breakdown per
+    stage from Triton's statistics."""
     rows, breakdown = [], []
     tag = uuid.uuid4().hex[:8]
     for n in histories:
@@ -362,12 +370,14 @@ def latency_rows(model, data, url: str, floor_url: str, histories, options: dict
                 samples = {"served": [], "floor": [], "in_process": []}
                 parts = []
                 for r in range(requests + 3):  # three warm-up rounds
-                    s, f, lp = served(kind), floor(kind), local(kind)
+                    took = {}
+                    for name in TURN_ORDERS[r % len(TURN_ORDERS)]:
+                        took[name] = served(kind) if name == "served" else floor(kind) if name == "floor" else local(kind)
                     if r >= 3:
-                        samples["served"].append(s)
-                        samples["floor"].append(f)
-                        samples["in_process"].append(lp["total"])
-                        parts.append(lp)
+                        samples["served"].append(took["served"])
+                        samples["floor"].append(took["floor"])
+                        samples["in_process"].append(took["in_process"]["total"])
+                        parts.append(took["in_process"])
                 # the same work again back to back in this process: warm caches, no other process between
                 samples["in_process_warm"] = [local(kind, parts=False)["total"] for _ in range(requests)]
                 st = {k: pct(v) for k, v in samples.items()}
