@@ -366,13 +366,12 @@ def latency_rows(model, data, url: str, floor_url: str, histories, options: dict
         served = ServedKinds(url, events, options, f"perf-{tag}-{n}")
         floor = ServedKinds(floor_url, events, options, f"floor-{tag}-{n}")
         try:
+            measure = {"served": served, "floor": floor, "in_process": local}
             for kind in KINDS:
                 samples = {"served": [], "floor": [], "in_process": []}
                 parts = []
                 for r in range(requests + 3):  # three warm-up rounds
-                    took = {}
-                    for name in TURN_ORDERS[r % len(TURN_ORDERS)]:
-                        took[name] = served(kind) if name == "served" else floor(kind) if name == "floor" else local(kind)
+                    took = {name: measure[name](kind) for name in TURN_ORDERS[r % len(TURN_ORDERS)]}
                     if r >= 3:
                         samples["served"].append(took["served"])
                         samples["floor"].append(took["floor"])
