@@ -17,7 +17,7 @@ from pathlib import Path
 
 from backend_src.config import RANKER_MICROBATCH, DecodeOptions, ModelConfig
 from backend_src.serving import protocol as P
-from backend_src.serving.session_store import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_BYTES
+from backend_src.serving.session_store import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_BYTES, DEFAULT_PREFAULT_BYTES
 
 
 @dataclass
@@ -31,6 +31,7 @@ class ServingOptions:
     max_history: int | None = None  # None = the model's max_seq_len
     session_max_bytes: int = DEFAULT_MAX_BYTES  # the session cache's bound, per encoder instance
     cache_idle_s: float = DEFAULT_IDLE_TIMEOUT_S  # a cached session not used for this long is dropped
+    session_prefault_bytes: int = DEFAULT_PREFAULT_BYTES  # heap touched at load for the first sessions (CPU)
     visit_idle_s: float = 10.0  # a sequence with no request for this long ends (its slot frees)
     max_candidate_sequences: int = 4096  # visits open at once per encoder instance
     event_log: str = ""  # sqlite path or redis:// URL; "" = a SQLite file beside the repository
@@ -142,6 +143,7 @@ def encoder_config(cfg: ModelConfig, opt: ServingOptions) -> str:
     params = _common_params(cfg, opt) | {
         "session_max_bytes": opt.session_max_bytes,
         "cache_idle_s": opt.cache_idle_s,
+        "session_prefault_bytes": opt.session_prefault_bytes,
         "event_log": opt.event_log,
         "log_retain_events": opt.log_retain_events,
         "log_ttl_s": opt.log_ttl_s,
@@ -239,6 +241,7 @@ def add_serving_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-history", type=int, default=None)
     ap.add_argument("--session-max-bytes", type=int, default=d.session_max_bytes)
     ap.add_argument("--cache-idle-s", type=float, default=d.cache_idle_s)
+    ap.add_argument("--session-prefault-bytes", type=int, default=d.session_prefault_bytes)
     ap.add_argument("--visit-idle-s", type=float, default=d.visit_idle_s)
     ap.add_argument("--max-candidate-sequences", type=int, default=d.max_candidate_sequences)
     ap.add_argument("--event-log", default=d.event_log, help="sqlite path or redis://host:port/db ('' = SQLite beside the repository)")
@@ -267,6 +270,7 @@ def serving_options_from_args(a: argparse.Namespace) -> ServingOptions:
         max_history=a.max_history,
         session_max_bytes=a.session_max_bytes,
         cache_idle_s=a.cache_idle_s,
+        session_prefault_bytes=a.session_prefault_bytes,
         visit_idle_s=a.visit_idle_s,
         max_candidate_sequences=a.max_candidate_sequences,
         event_log=a.event_log,

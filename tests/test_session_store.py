@@ -49,3 +49,36 @@ def test_idle_timeout():
     store.put("new", _session(10))
     clock.t = 15
     assert store.sweep() == ["old"] and "new" in store and store.stats()["evicted_idle"] == 1
+
+
+_FAULTS_AFTER_PREFAULT = """
+import resource, torch
+from backend_src.serving.session_store import prefault_heap
+touched = prefault_heap({prefault})
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+sessions = [torch.zeros(1 << 20, dtype=torch.uint8) for _ in range(48)]  # 48 MB kept, as a growing store keeps them
+print(touched, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+@pytest.mark.parametrize("allocator_keeps_memory", [True, False])
+def test_prefault_heap_maps_the_pages_new_sessions_take(allocator_keeps_memory):
+    import os
+    import subprocess
+    import sys
+
+    from backend_src.serving.server import CPU_RUNTIME_ENV
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    if allocator_keeps_memory:
+        env |= CPU_RUNTIME_ENV
+    faults = {}
+    for prefault in (0, 64 << 20):
+        out = subprocess.run([sys.executable, "-c", _FAULTS_AFTER_PREFAULT.format(prefault=prefault)], env=env,
+                             capture_output=True, text=True, check=True).stdout.split()
+        touched, faults[prefault] = int(out[0]), int(out[1])
+        assert touched == (prefault if allocator_keeps_memory else 0)
+    pages = (48 << 20) // 4096
+    assert faults[0] > pages // 2  # without it, the kept tensors fault their pages in
+    if allocator_keeps_memory:
+        assert faults[64 << 20] < pages // 10

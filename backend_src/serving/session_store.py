@@ -16,6 +16,7 @@ Thread-safe (one lock); tensors are stored as given, the caller must not mutate 
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -26,6 +27,8 @@ import torch
 
 DEFAULT_MAX_BYTES = 2 << 30  # 2 GiB: a tenth of a 24 GiB machine
 DEFAULT_IDLE_TIMEOUT_S = 3600.0
+DEFAULT_PREFAULT_BYTES = 256 << 20  # about 250 sessions of 512 events at d 64, 2 layers
+PREFAULT_CHUNK = 16 << 20
 
 
 def tensor_bytes(obj: Any) -> int:
@@ -37,6 +40,23 @@ def tensor_bytes(obj: Any) -> int:
     if hasattr(obj, "num_bytes"):
         return int(obj.num_bytes())
     return sum(tensor_bytes(getattr(obj, f.name)) for f in fields(obj))
+
+
+def prefault_heap(nbytes: int, chunk: int = PREFAULT_CHUNK) -> int:
+    """Touch ``nbytes`` of the C heap once and free them, so that the sessions a young store takes
+    in land on pages already mapped. A store that only grows maps fresh pages for every new
+    session (about 200 first-touch faults for a 512-event open: 0.6 ms of its 7.7 ms here); a full
+    store reuses its evicted sessions' memory and pays none. Effective only when glibc keeps what is
+    freed (chunks under MALLOC_MMAP_THRESHOLD_, the total under MALLOC_TRIM_THRESHOLD_, as the
+    server sets them); otherwise nothing is done. Returns the bytes touched."""
+    mmap_threshold = int(os.environ.get("MALLOC_MMAP_THRESHOLD_", 0))
+    trim_threshold = int(os.environ.get("MALLOC_TRIM_THRESHOLD_", 0))
+    if nbytes <= 0 or mmap_threshold <= chunk or trim_threshold <= nbytes:
+        return 0
+    chunks = [torch.zeros(chunk, dtype=torch.uint8) for _ in range(nbytes // chunk)]  # zeros: every page written
+    touched = len(chunks) * chunk
+    del chunks  # back to the allocator's free memory, still mapped
+    return touched
 
 
 @dataclass

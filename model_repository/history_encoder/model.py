@@ -103,7 +103,7 @@ class TritonPythonModel:
         from backend_src.serving import protocol as P
         from backend_src.serving import validation as V
         from backend_src.serving.event_log import open_event_log
-        from backend_src.serving.session_store import Session, SessionStore
+        from backend_src.serving.session_store import DEFAULT_PREFAULT_BYTES, Session, SessionStore, prefault_heap
 
         self.torch, self.P, self.V, self.Session, self.HistoryCache = torch, P, V, Session, HistoryCache
         torch.set_num_threads(int(params.get("torch_threads", 1)))
@@ -129,6 +129,8 @@ class TritonPythonModel:
             max_bytes=int(params.get("session_max_bytes", 2 << 30)),
             idle_timeout_s=float(params.get("cache_idle_s", 3600)),
         )
+        if self.device == "cpu":  # the first sessions' pages mapped now, not on their requests
+            prefault_heap(min(int(params.get("session_prefault_bytes", DEFAULT_PREFAULT_BYTES)), self.store.max_bytes))
         self.max_elements = max(self.limits.max_request_events, 1)
         ttl = float(params.get("log_ttl_s", 0))
         self.log = open_event_log(
