@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import math
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -278,7 +279,24 @@ def _fingerprint(data, model: GenerativeRecommender) -> str:
     return h.hexdigest()
 
 
-def _save_train_state(path, model, opt, state: TrainState, tcfg: TrainConfig, gen, rng) -> None:
+@contextmanager
+def weights_in_use(params: list, averaged: list | None):
+    """The averaged weights in the model while the block runs (validation, saving), then the
+    trained ones back; without an average, the trained weights throughout."""
+    if averaged is None:
+        yield
+        return
+    with torch.no_grad():
+        trained = [p.detach().clone() for p in params]
+        torch._foreach_copy_(params, averaged)
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            torch._foreach_copy_(params, trained)
+
+
+def _save_train_state(path, model, opt, state: TrainState, tcfg: TrainConfig, gen, rng, averaged=None) -> None:
     """Rank 0 writes a checkpoint (loadable by GenerativeRecommender.load) whose metadata holds
     what resuming needs: optimizer, counters, every rank's RNG state. Every rank must call it
     (the ranks' RNG states are gathered)."""
@@ -290,16 +308,19 @@ def _save_train_state(path, model, opt, state: TrainState, tcfg: TrainConfig, ge
     model.save(path, {"train_state": {
         "optimizer": opt.state_dict(),
         "step": state.step, "epoch": state.epoch, "seconds": state.seconds, "best_metric": state.best_metric,
+        "averaged_weights": averaged,
         "history": state.history, "train_config": dict(vars(tcfg)),
         "rng": {"generator": gen.get_state(), "numpy": rng.bit_generator.state, "torch": per_rank},
     }}, fold_codes=False)
 
 
-def _restore_train_state(path, model, opt, gen, rng, log) -> TrainState:
+def _restore_train_state(path, model, opt, gen, rng, log, averaged=None) -> TrainState:
     blob = torch.load(path, map_location="cpu", weights_only=False)
     ts = blob["metadata"]["train_state"]
     model.load_state_dict(blob["state_dict"])
     opt.load_state_dict(ts["optimizer"])
+    if averaged is not None and ts.get("averaged_weights") is not None:
+        torch._foreach_copy_(averaged, ts["averaged_weights"])
     gen.set_state(ts["rng"]["generator"])
     rng.bit_generator.state = ts["rng"]["numpy"]
     per_rank = ts["rng"]["torch"]
@@ -356,10 +377,12 @@ def train(
         minutes = dist.broadcast_object(minutes)
         # a dropout stream of its own per rank (one process keeps the global stream as it is)
         torch.manual_seed(tcfg.seed * 1000 + dist.rank() + 1)
+    # weight averaging: the validated and saved weights follow the trained ones, lagging ~1/(1 - decay) steps
+    averaged = [p.detach().clone() for p in params] if tcfg.ema_decay > 0 else None
     state = TrainState()
     first_epoch = 0
     if resume_from is not None:
-        state = _restore_train_state(resume_from, model, opt, gen, rng, log)
+        state = _restore_train_state(resume_from, model, opt, gen, rng, log, averaged)
         first_epoch = state.epoch + 1
         log(f"resumed from {resume_from}: epoch {state.epoch} done, step {state.step}")
     start = time.time() - state.seconds
@@ -405,6 +428,9 @@ def train(
             # clipped by the norm of the summed gradient: the same on every rank
             grad_norm += float(torch.nn.utils.clip_grad_norm_(params, 1.0))
             opt.step()
+            if averaged is not None:
+                with torch.no_grad():
+                    torch._foreach_lerp_(averaged, params, 1.0 - tcfg.ema_decay)
             state.step += 1
             n += 1
             for k, v in parts.items():
@@ -423,19 +449,21 @@ def train(
         if evaluate_fn is not None:
             done = max(state.seconds / (60 * minutes) if minutes else 0.0, (epoch + 1) / tcfg.epochs)
             if validation_due(tcfg, epoch, done, last=over or epoch + 1 == tcfg.epochs):
-                if main:
-                    model.eval()
-                    metric = evaluate_fn(model)
-                metric = dist.broadcast_object(metric)
-                state.history[-1]["valid"] = metric
-                if metric > state.best_metric:
-                    state.best_metric = metric
-                    if checkpoint_path and main:
-                        model.save(checkpoint_path, {"epoch": epoch, "valid_metric": metric, "train_seconds": state.seconds})
+                with weights_in_use(params, averaged):
+                    if main:
+                        model.eval()
+                        metric = evaluate_fn(model)
+                    metric = dist.broadcast_object(metric)
+                    state.history[-1]["valid"] = metric
+                    if metric > state.best_metric:
+                        state.best_metric = metric
+                        if checkpoint_path and main:
+                            model.save(checkpoint_path, {"epoch": epoch, "valid_metric": metric, "train_seconds": state.seconds})
         elif checkpoint_path and main:
-            model.save(checkpoint_path, {"epoch": epoch, "train_seconds": state.seconds})
+            with weights_in_use(params, averaged):
+                model.save(checkpoint_path, {"epoch": epoch, "train_seconds": state.seconds})
         if state_path:
-            _save_train_state(state_path, model, opt, state, tcfg, gen, rng)
+            _save_train_state(state_path, model, opt, state, tcfg, gen, rng, averaged)
         log(f"epoch {epoch} [{state.seconds / 60:.1f} min] {msg}" + (f" valid={metric:.4f}" if metric is not None else ""))
         if metric is not None and not over:  # the budget can also run out during the validation
             over = dist.broadcast_object(time.time() > deadline)

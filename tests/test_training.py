@@ -228,6 +228,33 @@ def test_the_kept_checkpoint_is_the_best_validated_epoch(tmp_path):
     assert torch.isfinite(torch.tensor([h["retrieval"] for h in state.history])).all()
 
 
+def test_weight_averaging_validates_and_saves_the_average_and_trains_on(tmp_path):
+    """With ema_decay the validated and saved weights are the average (at a decay near 1 it stays at the
+    initial weights), and training goes on from the trained ones."""
+    import torch
+
+    from backend_src.config import ModelConfig
+    from backend_src.data.loaders import load_dataset
+    from backend_src.model.recommender import GenerativeRecommender
+    from backend_src.training import build_model, train
+
+    data = load_dataset("synthetic:users=60,items=40,clusters=4,seed=0")
+    cfg = ModelConfig(num_items=data.num_items, d_model=16, num_layers=1, num_heads=2, max_seq_len=16,
+                      codebook_sizes=(4, 4, 4, 1))
+    model = build_model(data, cfg, embedding_dim=8)
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    validated = []
+    ckpt = tmp_path / "model.pt"
+    train(model, data, TrainConfig(epochs=2, batch_size=16, validate_from=0.0, ema_decay=1 - 1e-9),
+          evaluate_fn=lambda m: validated.append({k: v.clone() for k, v in m.state_dict().items()}) or len(validated),
+          checkpoint_path=ckpt, log=lambda *a, **k: None)
+    saved = GenerativeRecommender.load(ckpt).state_dict()
+    name = "backbone.item_embedding.weight"
+    for weights in (validated[0], validated[1], saved):
+        torch.testing.assert_close(weights[name], initial[name], atol=1e-6, rtol=0)
+    assert (model.state_dict()[name] - initial[name]).abs().max() > 1e-3  # the trained weights, back in the model
+
+
 def test_the_recipe_fills_what_no_flag_gives():
     """Any data set gets the recipe (history length and item embeddings by rule); the small
     benchmark data sets their pinned configurations; a flag always wins."""
