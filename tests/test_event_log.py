@@ -103,6 +103,22 @@ def test_round_trip_unicode_long_ids_big_timestamps(open_log):
         assert tail == UserLog(i, [f"item-{i}"] * k, list(range(i))[-k:], [10 * i] * k)
 
 
+def test_writes_of_every_size_keep_their_order(open_log):
+    """A write's events go in as several statements on SQLite (a power of two rows each, at most
+    1024): sizes on and off those boundaries read back whole and in order."""
+    log = open_log(retain_events=5000)
+    count = 0
+    for n in (1, 2, 3, 7, 512, 1023, 1024, 1025, 2500):
+        items = [f"{n}-{j}" for j in range(n)]
+        assert log.append("u", count, items, [j % 5 for j in range(n)], list(range(count, count + n))) == count + n
+        tail = log.tail("u", n)
+        assert tail == UserLog(count + n, items, [j % 5 for j in range(n)], list(range(count, count + n)))
+        count += n
+    assert log.tail("u", 5000).timestamps == list(range(count))[-5000:]
+    assert log.replace("r", [f"x{j}" for j in range(1500)], [0] * 1500, list(range(1500))) == 1500
+    assert log.tail("r", 2000).items == [f"x{j}" for j in range(1500)]
+
+
 def test_unknown_users_and_empty_appends(open_log):
     log = open_log()
     assert log.counts(["nobody", "nobody-else"]) == [0, 0]

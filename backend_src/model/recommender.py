@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from itertools import repeat
 from pathlib import Path
 from typing import Sequence
 
@@ -217,7 +218,7 @@ class GenerativeRecommender(nn.Module):
         """Raw ids -> item indices. Unknown ids raise KeyError naming them, or map to 0 (the
         padding index) when not `strict` (a history logged under another catalog version)."""
         get = self._index.get  # indices start at 1: 0 is what an unknown id gets
-        out = np.array([get(k, 0) for k in raw_ids], dtype=np.int64)  # ids as str: one pass
+        out = np.fromiter(map(get, raw_ids, repeat(0)), dtype=np.int64, count=len(raw_ids))  # ids as str: one pass of C
         for j in np.flatnonzero(out == 0):  # bytes or ints name the item their str form names
             raw = raw_ids[j]
             out[j] = get(raw.decode() if isinstance(raw, bytes) else str(raw), 0)

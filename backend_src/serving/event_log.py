@@ -50,6 +50,7 @@ durable: only to measure what the others cost):
 from __future__ import annotations
 
 import abc
+import functools
 import hashlib
 import json
 import numbers
@@ -58,6 +59,7 @@ import sqlite3
 import threading
 import time
 from dataclasses import dataclass
+from itertools import chain, repeat
 from pathlib import Path
 from typing import Callable, Optional
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
@@ -275,6 +277,12 @@ CREATE TABLE IF NOT EXISTS events (
 _SCHEMA_VERSION = 1
 _MAX_PARAMS = 500  # users per IN (...) query, well under SQLite's variable limit
 _SWEEP_BATCH = 1000  # users per sweep transaction, so other writers are not held up long
+_MAX_ROWS_PER_INSERT = 1024  # event rows per INSERT statement: 5 parameters each, under SQLite's 32766
+
+
+@functools.lru_cache(maxsize=None)
+def _insert_events_sql(rows: int) -> str:
+    return "INSERT INTO events (user, seq, item, action, ts) VALUES " + ",".join(["(?, ?, ?, ?, ?)"] * rows)
 
 
 class SQLiteEventLog(EventLog):
@@ -401,10 +409,18 @@ class SQLiteEventLog(EventLog):
         return self._read(read)
 
     def _put_events(self, db, user, first_seq, items, actions, timestamps):
-        db.executemany(
-            "INSERT INTO events (user, seq, item, action, ts) VALUES (?, ?, ?, ?, ?)",
-            [(user, first_seq + i, it, a, t) for i, (it, a, t) in enumerate(zip(items, actions, timestamps))],
-        )
+        # Rows go in as few multi-row INSERTs as possible (a power of two rows each, so their few
+        # statement texts stay in the connection's statement cache), not one statement per row:
+        # an open's 512 events are one step of SQLite instead of 512, and the GIL is let go and
+        # taken back once instead of 512 times, while the encoder's thread wants it too.
+        done, n = 0, len(items)
+        while done < n:
+            rows = min(1 << ((n - done).bit_length() - 1), _MAX_ROWS_PER_INSERT)
+            part = slice(done, done + rows)
+            params = chain.from_iterable(zip(repeat(user), range(first_seq + done, first_seq + done + rows),
+                                             items[part], actions[part], timestamps[part]))
+            db.execute(_insert_events_sql(rows), tuple(params))
+            done += rows
 
     def _append_many(self, writes):
         def write(db):
