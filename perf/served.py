@@ -472,6 +472,36 @@ def parse_locust_csv(path: Path) -> list:
 # --------------------------------------------------------------------------------------------
 # (c) throughput against an earlier commit of this project, in the same run
 # --------------------------------------------------------------------------------------------
+def checkpoint_for_earlier_code(checkpoint, tree: Path, env: dict, out: Path) -> Path:
+    """`checkpoint` as the code in `tree` can load it. Model settings that code does not have are
+    left out when they change nothing it would serve (features it lacks, switched off: at their
+    defaults, or fusion weights equal to the defaults' in effect); any other is an error naming it."""
+    import dataclasses
+
+    import torch
+
+    from backend_src.config import ModelConfig
+
+    known = json.loads(subprocess.run(
+        [sys.executable, "-c", "import dataclasses, json; from backend_src.config import ModelConfig; "
+                               "print(json.dumps([f.name for f in dataclasses.fields(ModelConfig)]))"],
+        cwd=tree, env=env, capture_output=True, text=True, check=True).stdout)
+    ckpt = torch.load(checkpoint, map_location="cpu", weights_only=False)
+    config = ckpt["config"]
+    unknown = [k for k in config if k not in known]
+    if not unknown:
+        return Path(checkpoint)
+    defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
+    changed = [k for k in unknown if config[k] != defaults[k]]
+    now, earlier = (ModelConfig.from_dict(c) for c in (config, {**config, **{k: defaults[k] for k in unknown}}))
+    same_order = all(now.fusion_weights(x) == earlier.fusion_weights(x) for x in (False, True))
+    if not same_order or any("fusion_weight" not in k for k in changed):
+        raise RuntimeError(f"the checkpoint sets {changed}, which the earlier code does not have")
+    ckpt["config"] = {k: v for k, v in config.items() if k in known}
+    torch.save(ckpt, out)
+    return out
+
+
 @contextlib.contextmanager
 def baseline_server(ref: str, checkpoint, workdir: Path, visit_idle_s: float):
     """A tritonserver serving `checkpoint` published by the code of commit `ref` (its own
@@ -484,6 +514,7 @@ def baseline_server(ref: str, checkpoint, workdir: Path, visit_idle_s: float):
     subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
     repo = tree / "model_repository_served"
     env = dict(os.environ, PYTHONPATH=str(tree))
+    checkpoint = checkpoint_for_earlier_code(checkpoint, tree, env, workdir / "baseline_checkpoint.pt")
     done = subprocess.run([sys.executable, "-m", "export.publish", "publish", "--checkpoint", str(Path(checkpoint).resolve()),
                            "--repository", str(repo), "--visit-idle-s", str(visit_idle_s)], cwd=tree, env=env,
                           capture_output=True, text=True)
