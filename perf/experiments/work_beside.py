@@ -6,7 +6,7 @@ process times the encode of 512 events (the benchmark model, one torch thread):
   - beside the same write into the in-memory log (`memory:`: Python only, the GIL held throughout), on a thread;
   - beside about a millisecond of hashing on a second thread (no GIL held: hashlib lets it go);
   - beside the same hashing in another process (no GIL shared at all).
-and the log write alone. Conditions alternate repetition by repetition, so drift of the host cancels. Run from the
+and each of those writes and the hashing alone. Conditions alternate repetition by repetition, so drift of the host cancels. Run from the
 repository root (needs the benchmark model, `make bench-served` trains it):
     python -m perf.experiments.work_beside            # -> perf/results/work_beside.json
     python -m perf.experiments.work_beside --quick --out -
@@ -89,7 +89,7 @@ def main(argv=None):
             wait(pending)
             return took
 
-        def in_process():
+        def start_helper():
             parent.send(True)
 
         conditions = {
@@ -98,7 +98,7 @@ def main(argv=None):
             "encode beside the in-memory log's write (thread)": lambda: beside(lambda: thread.submit(write_memory),
                                                                                lambda f: f.result()),
             "encode beside hashing (thread)": lambda: beside(lambda: thread.submit(hash_work), lambda f: f.result()),
-            "encode beside hashing (process)": lambda: beside(in_process, lambda _: parent.recv()),
+            "encode beside hashing (process)": lambda: beside(start_helper, lambda _: parent.recv()),
             "log write alone": lambda: beside(lambda: None, lambda _: None, work=write),
             "in-memory log write alone": lambda: beside(lambda: None, lambda _: None, work=write_memory),
             "hashing alone": lambda: beside(lambda: None, lambda _: None, work=hash_work),
@@ -113,6 +113,7 @@ def main(argv=None):
         helper.join(5)
         thread.shutdown()
         event_log.close()
+        memory_log.close()
     base = statistics.median(times["encode alone"])
     rows = []
     for name, t in times.items():
