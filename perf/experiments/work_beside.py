@@ -3,11 +3,11 @@ encoder's second thread while its first encodes them, counting on the two cores 
 process times the encode of 512 events (the benchmark model, one torch thread):
   - alone;
   - beside the log write of an open (512 events into a SQLite log, synchronous=FULL), on a second thread;
-  - beside the same write into the in-memory log (`memory:`: Python only, the GIL held throughout), on a thread;
+  - beside about a millisecond of pure Python on a second thread (it holds the GIL throughout);
   - beside about a millisecond of hashing on a second thread (no GIL held: hashlib lets it go);
   - beside the same hashing in another process (no GIL shared at all).
-and each of those writes and the hashing alone. Conditions alternate repetition by repetition, so drift of the host cancels. Run from the
-repository root (needs the benchmark model, `make bench-served` trains it):
+and the write, the Python and the hashing alone. Conditions alternate repetition by repetition, so drift of the
+host cancels. Run from the repository root (needs the benchmark model, `make bench-served` trains it):
     python -m perf.experiments.work_beside            # -> perf/results/work_beside.json
     python -m perf.experiments.work_beside --quick --out -
 """
@@ -19,16 +19,23 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
+
 from perf.common import host_load, log, save_result
 from perf.experiments import bench_model_parser
 
 HASHED = b"x" * 400_000  # about 0.3 ms of sha256 on this host
 HASHES = 3
+PYTHON_STEPS = 30_000  # about 1 ms of the interpreter on this host
 
 
 def hash_work() -> None:
     for _ in range(HASHES):
         hashlib.sha256(HASHED).digest()
+
+
+def python_work() -> None:
+    sum(i * i for i in range(PYTHON_STEPS))
 
 
 def hash_server(conn) -> None:
@@ -58,6 +65,7 @@ def main(argv=None):
     model = GenerativeRecommender.load(args.checkpoint).eval()
     model.backbone.warm_up()
     items, actions, timestamps = long_history(load_dataset(args.data, max_users=args.max_users), args.history)
+    actions, timestamps = np.asarray(actions, np.int64), np.asarray(timestamps, np.int64)  # as the encoder writes them
     n = len(items)
     events = [torch.as_tensor(x, dtype=torch.long)[None] for x in (model.item_indices(items), actions, timestamps)]
 
@@ -67,14 +75,10 @@ def main(argv=None):
 
     with tempfile.TemporaryDirectory(prefix="genrec-beside-") as tmp:
         event_log = open_event_log(str(Path(tmp) / "events.sqlite3"), retain_events=max(n, 4096))
-        memory_log = open_event_log("memory:", retain_events=max(n, 4096))
         users = iter(range(1 << 30))
 
-        def write(to=event_log):
-            to.append(f"u:{next(users)}", 0, items, actions, timestamps)
-
-        def write_memory():
-            write(memory_log)
+        def write():
+            event_log.append(f"u:{next(users)}", 0, items, actions, timestamps)
 
         thread = ThreadPoolExecutor(max_workers=1)
         parent, child = mp.Pipe()
@@ -95,12 +99,11 @@ def main(argv=None):
         conditions = {
             "encode alone": lambda: beside(lambda: None, lambda _: None),
             "encode beside the log write (thread)": lambda: beside(lambda: thread.submit(write), lambda f: f.result()),
-            "encode beside the in-memory log's write (thread)": lambda: beside(lambda: thread.submit(write_memory),
-                                                                               lambda f: f.result()),
+            "encode beside Python (thread)": lambda: beside(lambda: thread.submit(python_work), lambda f: f.result()),
             "encode beside hashing (thread)": lambda: beside(lambda: thread.submit(hash_work), lambda f: f.result()),
             "encode beside hashing (process)": lambda: beside(start_helper, lambda _: parent.recv()),
             "log write alone": lambda: beside(lambda: None, lambda _: None, work=write),
-            "in-memory log write alone": lambda: beside(lambda: None, lambda _: None, work=write_memory),
+            "Python alone": lambda: beside(lambda: None, lambda _: None, work=python_work),
             "hashing alone": lambda: beside(lambda: None, lambda _: None, work=hash_work),
         }
         times = {name: [] for name in conditions}
@@ -113,7 +116,6 @@ def main(argv=None):
         helper.join(5)
         thread.shutdown()
         event_log.close()
-        memory_log.close()
     base = statistics.median(times["encode alone"])
     rows = []
     for name, t in times.items():
