@@ -4,6 +4,7 @@ import json
 import os
 import re
 import signal
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -117,6 +118,17 @@ def test_writes_of_every_size_keep_their_order(open_log):
     assert log.tail("u", 5000).timestamps == list(range(count))[-5000:]
     assert log.replace("r", [f"x{j}" for j in range(1500)], [0] * 1500, list(range(1500))) == 1500
     assert log.tail("r", 2000).items == [f"x{j}" for j in range(1500)]
+
+
+def test_sqlite_writes_within_a_low_parameter_limit(tmp_path):
+    """An SQLite built with the limit of before 3.32 (999 parameters a statement) takes 128 rows an
+    INSERT: a write of 1,500 events still goes in whole."""
+    log = SQLiteEventLog(tmp_path / "events.db", retain_events=5000)
+    log._db().setlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER, 999)
+    items = [f"i{j}" for j in range(1500)]
+    assert log.append("u", 0, items, [1] * 1500, list(range(1500))) == 1500
+    assert log.tail("u", 1500) == UserLog(1500, items, [1] * 1500, list(range(1500)))
+    log.close()
 
 
 def test_unknown_users_and_empty_appends(open_log):

@@ -277,12 +277,20 @@ CREATE TABLE IF NOT EXISTS events (
 _SCHEMA_VERSION = 1
 _MAX_PARAMS = 500  # users per IN (...) query, well under SQLite's variable limit
 _SWEEP_BATCH = 1000  # users per sweep transaction, so other writers are not held up long
-_MAX_ROWS_PER_INSERT = 1024  # event rows per INSERT statement: 5 parameters each, under SQLite's 32766
+_MAX_ROWS_PER_INSERT = 1024  # event rows per INSERT statement (5 parameters each), where the build allows
 
 
 @functools.lru_cache(maxsize=None)
 def _insert_events_sql(rows: int) -> str:
     return "INSERT INTO events (user, seq, item, action, ts) VALUES " + ",".join(["(?, ?, ?, ?, ?)"] * rows)
+
+
+def _rows_per_insert(db: sqlite3.Connection) -> int:
+    """The most event rows one INSERT may bind: a power of two, at most _MAX_ROWS_PER_INSERT, within this
+    SQLite's limit on parameters per statement (32766 by default since 3.32, 999 before; Python < 3.11
+    cannot ask, and gets the older limit's)."""
+    limit = db.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER) if hasattr(db, "getlimit") else 999
+    return min(_MAX_ROWS_PER_INSERT, 1 << ((limit // 5).bit_length() - 1))
 
 
 class SQLiteEventLog(EventLog):
@@ -413,9 +421,9 @@ class SQLiteEventLog(EventLog):
         # statement texts stay in the connection's statement cache), not one statement per row:
         # an open's 512 events are one step of SQLite instead of 512, and the GIL is let go and
         # taken back once instead of 512 times, while the encoder's thread wants it too.
-        done, n = 0, len(items)
+        done, n, most = 0, len(items), _rows_per_insert(db)
         while done < n:
-            rows = min(1 << ((n - done).bit_length() - 1), _MAX_ROWS_PER_INSERT)
+            rows = min(1 << ((n - done).bit_length() - 1), most)
             part = slice(done, done + rows)
             params = chain.from_iterable(zip(repeat(user), range(first_seq + done, first_seq + done + rows),
                                              items[part], actions[part], timestamps[part]))
