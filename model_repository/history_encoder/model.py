@@ -365,8 +365,9 @@ class TritonPythonModel:
     def _encode_and_log(self, plans, errors: dict) -> None:
         """Encode the plans' events and write them to the log; no answer leaves before both are done.
         The two need nothing of each other, so a long write (an open's history: 512 events take 1-1.5 ms
-        of SQLite and fsync, mostly with the GIL let go) runs on the log's thread while this one encodes. A short one (an append's few events) runs after the encode, on this thread: beside the
-        encode it gained nothing, the hand-off and the contention for the GIL costing what it saved."""
+        of SQLite and fsync, mostly with the GIL let go) runs on the log's thread while this one encodes.
+        A short one (an append's few events) runs after the encode, on this thread: beside the encode it
+        gained nothing, the hand-off and the contention for the GIL costing what it saved."""
         log_errors = {}
         aside = sum(len(p.new[0]) for p in plans) >= LOG_WRITE_ASIDE_EVENTS
         written = self._log_writer.submit(self._write_log, plans, log_errors) if aside else None

@@ -3,7 +3,7 @@ encoder's second thread while its first encodes them, counting on the two cores 
 process times the encode of 512 events (the benchmark model, one torch thread):
   - alone;
   - beside the log write of an open (512 events into a SQLite log, synchronous=FULL), on a second thread;
-  - beside about a millisecond of pure Python on a second thread (it holds the GIL throughout);
+  - beside about 1.5 ms of pure Python on a second thread (it holds the GIL throughout);
   - beside about a millisecond of hashing on a second thread (no GIL held: hashlib lets it go);
   - beside the same hashing in another process (no GIL shared at all).
 and the write, the Python and the hashing alone. Conditions alternate repetition by repetition, so drift of the
@@ -26,7 +26,7 @@ from perf.experiments import bench_model_parser
 
 HASHED = b"x" * 400_000  # about 0.3 ms of sha256 on this host
 HASHES = 3
-PYTHON_STEPS = 30_000  # about 1 ms of the interpreter on this host
+PYTHON_STEPS = 30_000  # about 1.5 ms of the interpreter on this host
 
 
 def hash_work() -> None:
