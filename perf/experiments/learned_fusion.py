@@ -13,8 +13,13 @@ cross-entropy over each user's candidates (users whose target is among them), on
 and measured on the other half, and the other way round (two folds, split at random with a fixed seed),
 against the served order on the same users, once per seen-item policy.
 
+With --retrieval-only the scorer sees only what generative retrieval knows (the four codes'
+log-probabilities and the item's popularity), started at the beam order (1 per code, 0 for popularity)
+and measured against it: can a re-weighting of its own levels lift retrieval alone?
+
 Needs the validation-run model (`make train-beauty`). Run from the repository root:
     python -m perf.experiments.learned_fusion        # -> perf/results/learned_fusion.json
+    python -m perf.experiments.learned_fusion --retrieval-only   # -> perf/results/learned_fusion_retrieval.json
     python -m perf.experiments.learned_fusion --users 2000 --out -   # quick check
 """
 import argparse
@@ -33,6 +38,7 @@ from perf.experiments.multi_source_candidates import NEG_INF, collect, metrics
 
 FEATURES = ("log_prob_code0", "log_prob_code1", "log_prob_code2", "log_prob_code3", "ranker_logit",
             "dense_log_softmax", "log_popularity", "seen")
+RETRIEVAL_FEATURES = ("log_prob_code0", "log_prob_code1", "log_prob_code2", "log_prob_code3", "log_popularity")
 
 
 def features(model, data, dense_top=0, users=None):
@@ -65,26 +71,25 @@ def fit(x, valid, target_pos, w0, steps=300, l2=1e-3):
     return w.detach()
 
 
-def two_folds(p, weights, exclude, seed=0):
-    """The served order and the learned one, each measured on the half of the users the weights were
-    not fit on, both folds; means over the folds weighted by users."""
+def two_folds(p, w0, exclude, features=FEATURES, reference="served", seed=0):
+    """The reference order (weights w0 over `features`) and the learned one, each measured on the half
+    of the users the weights were not fit on, both folds; means over the folds weighted by users."""
     x = p["features"]
     seen = x[..., FEATURES.index("seen")] > 0
     valid = (p["union"] > 0) & torch.isfinite(x).all(-1) & ~(seen & exclude)
     hit = (p["union"] == p["target"][:, None]) & valid
     target_pos = torch.where(hit.any(1), hit.float().argmax(1), torch.full_like(p["target"], -1))
     x = torch.where(valid[..., None], x, torch.zeros(()))  # -inf features of empty slots never enter
-    w_rank, w_dense = weights  # the checkpoint's (w, v)
-    w0 = torch.tensor([1.0, 1.0, 1.0, 1.0, w_rank, w_dense, 0.0, 0.0])
+    x = x[..., [FEATURES.index(f) for f in features]]
     order = torch.from_numpy(np.random.default_rng(seed).permutation(len(x)))
     halves = (order[: len(x) // 2], order[len(x) // 2:])
-    sums = {"served": {}, "learned": {}}
+    sums = {reference: {}, "learned": {}}
     weights = []
     for fit_on, test_on in (halves, halves[::-1]):
         w = fit(x[fit_on], valid[fit_on], target_pos[fit_on], w0)
         weights.append([round(float(v), 4) for v in w])
         sub = {k: v[test_on] for k, v in p.items()}
-        for name, wv in (("served", w0), ("learned", w)):
+        for name, wv in ((reference, w0), ("learned", w)):
             scores = x[test_on] @ wv
             m = metrics(sub, scores.masked_fill(~valid[test_on], NEG_INF), sub["union"], exclude)
             for k in METRIC_NAMES:
@@ -102,8 +107,12 @@ def main():
     ap.add_argument("--dense-top", type=int, default=0,
                     help="also the dense head's top N items not among the beam's (multi_source_candidates' union)")
     ap.add_argument("--users", type=int, default=0, help="the first N users (default 0: all)")
-    ap.add_argument("--out", type=Path, default=RESULTS_DIR / "learned_fusion.json", help="'-': print only")
+    ap.add_argument("--retrieval-only", action="store_true",
+                    help="only the codes' log-probabilities and popularity, against the beam order")
+    ap.add_argument("--out", type=Path, default=None, help="'-': print only (default perf/results/learned_fusion.json, "
+                                                          "learned_fusion_retrieval.json with --retrieval-only)")
     args = ap.parse_args()
+    out = args.out or RESULTS_DIR / ("learned_fusion_retrieval.json" if args.retrieval_only else "learned_fusion.json")
     torch.set_num_threads(2)
     load_start = host_load()
     model = GenerativeRecommender.load(args.checkpoint).eval()
@@ -111,15 +120,21 @@ def main():
     users = np.arange(min(args.users, data.num_users)) if args.users else None
     p = features(model, data, args.dense_top, users)
     rows = []
+    names, reference = (RETRIEVAL_FEATURES, "beam") if args.retrieval_only else (FEATURES, "served")
     for exclude in (False, True):
-        r = two_folds(p, model.cfg.fusion_weights(exclude), exclude)
+        if args.retrieval_only:
+            w0 = torch.tensor([1.0, 1.0, 1.0, 1.0, 0.0])  # the beam's score: the sum of its codes' log-probabilities
+        else:
+            w_rank, w_dense = model.cfg.fusion_weights(exclude)  # the served order's
+            w0 = torch.tensor([1.0, 1.0, 1.0, 1.0, w_rank, w_dense, 0.0, 0.0])
+        r = two_folds(p, w0, exclude, names, reference)
         rows.append(dict(dataset=args.data, checkpoint=args.checkpoint, seen=SEEN_POLICIES[exclude], users=len(p["target"]),
-                         dense_top=args.dense_top, features=list(FEATURES), **r))
-        for name in ("served", "learned"):
+                         dense_top=args.dense_top, features=list(names), **r))
+        for name in (reference, "learned"):
             log(f"{SEEN_POLICIES[exclude]} {name}: " + " ".join(f"{m}={r[name][m]:.4f}" for m in METRIC_NAMES))
         log(f"weights per fold: {r['weights_per_fold']}")
-    if str(args.out) != "-":
-        save_result(args.out, rows, "perf.experiments.learned_fusion", None, load_start)
+    if str(out) != "-":
+        save_result(out, rows, "perf.experiments.learned_fusion", None, load_start)
 
 
 if __name__ == "__main__":
