@@ -128,6 +128,8 @@ def parse_args(argv=None):
                    help="validate and save an exponential moving average of the weights, this decay per step (0: off)")
     p.add_argument("--dropout", type=float)
     p.add_argument("--alpha", type=float, default=2.0, help="stochastic length alpha (2 = off)")
+    p.add_argument("--decoder-heads", type=int, default=ModelConfig.decoder_heads,
+                   help="attention heads of the semantic-ID decoder's cross-attention")
     p.add_argument("--shared-kv", action="store_true", help="PFA ablation: one K/V projection for all steps")
     p.add_argument("--ranker-weight", type=float, default=1.0)
     p.add_argument("--ranker-positions", type=int, default=1,
@@ -238,6 +240,7 @@ def run(args, device):
             max_seq_len=args.max_len,
             dropout=args.dropout,
             codebook_sizes=tuple(args.codebook) + (1,),
+            decoder_heads=args.decoder_heads,
             shared_kv_projection=args.shared_kv,
             ranker_negatives=args.ranker_negatives,
             ranker_hard_fraction=args.ranker_hard_fraction,
