@@ -18,7 +18,13 @@ from backend_src.data import (
     pad_histories,
     train_batches,
 )
-from backend_src.data.loaders import load_amazon_json, load_amazon_sequential, load_ml100k, load_movielens
+from backend_src.data.loaders import (
+    load_amazon_json,
+    load_amazon_reviews,
+    load_amazon_sequential,
+    load_ml100k,
+    load_movielens,
+)
 
 
 def assert_chronological(d: SequenceData):
@@ -202,6 +208,46 @@ def test_bad_json_and_amazon_rows(tmp_path):
         load_amazon_sequential(folder)
     (folder / "interactions.tsv.gz").unlink()  # no tsv: the position is the day
     assert list(load_amazon_sequential(folder).timestamps // 86400) == [0, 1, 2, 0, 1, 2]
+
+
+def _reviews(rows, user="reviewerID", item="asin", time="unixReviewTime"):
+    return "".join(json.dumps({user: u, item: i, time: t, "overall": 5.0, "reviewText": "fine"}) + "\n" for u, i, t in rows)
+
+
+def test_amazon_review_releases(tmp_path):
+    """Amazon's own files as a user downloads them: the 2018 5-core reviews with JSON metadata, the 2014
+    metadata written as Python literals, the 2023 release in milliseconds; found in a folder by content."""
+    folder = tmp_path / "sports"
+    folder.mkdir()
+    rows = [("A", "i2", 200), ("A", "i1", 100), ("B", "i1", 300), ("A", "i3", 200), ("A", "i2", 200), ("B", "i3", 50)]
+    write(folder / "Sports_5.json.gz", _reviews(rows), gz=True)
+    meta = [{"asin": "i1", "title": "Ball", "brand": "Acme", "category": ["Sports", "Balls"], "description": ["Round."]},
+            {"asin": "i2", "title": "Net"}, {"asin": "zz", "title": "not reviewed"}]
+    write(folder / "meta_Sports.json", "".join(json.dumps(m) + "\n" for m in meta))
+    d = load_dataset(str(folder), min_events=1)
+    assert d.name == "sports" and d.num_users == 2 and len(d.items) == 5  # A's repeated review is one event
+    raw = [d.item_ids[i] for i in d.items]
+    assert raw == ["i1", "i2", "i3", "i3", "i1"] and list(d.timestamps) == [100, 200, 200, 50, 300]  # ties: file order
+    text = {d.item_ids[i]: t for i, t in d.item_text.items()}
+    assert text == {"i1": "Ball | Acme | Sports, Balls | Round.", "i2": "Net"}
+
+    # the 2014 metadata is not JSON but Python literals, its categories a list of lists
+    (folder / "meta_Sports.json").unlink()
+    write(folder / "meta_Sports.json.gz", "{'asin': 'i3', 'title': 'Bat', 'categories': [['Sports', 'Bats']]}\n", gz=True)
+    d = load_amazon_reviews(folder / "Sports_5.json.gz", min_events=1)
+    assert {d.item_ids[i]: t for i, t in d.item_text.items()} == {"i3": "Bat | Sports, Bats"}
+
+    # 2023: user_id, parent_asin, timestamps in milliseconds
+    new = write(tmp_path / "Toys.jsonl", _reviews([("u", "p1", 5000), ("u", "p2", 1000)], "user_id", "parent_asin", "timestamp"))
+    d = load_dataset(str(new), min_events=1)
+    assert d.name == "Toys" and [d.item_ids[i] for i in d.items] == ["p2", "p1"] and list(d.timestamps) == [1, 5]
+
+    bad = write(tmp_path / "Bad_5.json", _reviews([("A", "i1", 1)]) + '{"reviewerID": "A", "asin": "i2"}\n')
+    with pytest.raises(DataFormatError, match=r"Bad_5\.json:2: review without 'unixReviewTime'"):
+        load_amazon_reviews(bad)
+    write(folder / "Golf_5.json", _reviews([("A", "i1", 1)]))
+    with pytest.raises(DataFormatError, match="several review files"):
+        load_dataset(str(folder))
 
 
 # ------------------------------------------------------------------------------- synthetic

@@ -9,6 +9,8 @@ Supported formats (auto-detected by `load_dataset`):
   - Amazon 5-core sequential split (`sequential_data.txt`, `interactions.tsv.gz`,
     `item2attributes_s3rec_ids.json`), as used by S3-Rec / P5 / TIGER
   - Amazon 2018 JSON maps (`*.inter.json` user -> ordered items, `*.item.json` item -> text fields)
+  - Amazon's own review releases, one JSON object a line (2014 and 2018: `reviews_<Category>_5.json.gz`,
+    `<Category>_5.json.gz`; 2023: `<Category>.jsonl.gz`), with the category's `meta_*` file beside it
   - generic CSV `user,item,timestamp[,action]` with a header line
 
 Parsing is whole-file: the text is split once and converted with numpy; a slow line-by-line scan
@@ -16,9 +18,11 @@ runs only to name the offending line when the fast path finds a malformed row.
 """
 from __future__ import annotations
 
+import ast
 import gzip
 import json
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -430,6 +434,123 @@ def _as_id(key: str, dtype):
 
 
 # --------------------------------------------------------------------------------------------
+# Amazon's own review releases
+
+# per release: the user, item and time keys of a review, and the time's units per second
+_REVIEW_KEYS = (("reviewerID", "asin", "unixReviewTime", 1),  # 2014, 2018
+                ("user_id", "parent_asin", "timestamp", 1000))  # 2023: items grouped by parent, time in ms
+_JSON_LINES = (".json", ".json.gz", ".jsonl", ".jsonl.gz")
+
+
+def _json_line(line: str):
+    """One line's object: JSON, or the Python literal the 2014 metadata files are written as."""
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError:
+        return ast.literal_eval(line)
+
+
+def _review_keys(path: Path) -> tuple | None:
+    """The release's keys when the file's first line is a review, else None."""
+    if not path.name.endswith(_JSON_LINES) or path.name.startswith("meta_") or path.name.endswith((".inter.json", ".item.json")):
+        return None
+    opener = gzip.open if path.name.endswith(".gz") else open
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:
+            first = _json_line(f.readline())
+    except (OSError, UnicodeDecodeError, ValueError, SyntaxError, EOFError):
+        return None
+    if isinstance(first, dict):
+        return next((keys for keys in _REVIEW_KEYS if all(k in first for k in keys[:3])), None)
+    return None
+
+
+def _review_files(folder: Path) -> list:
+    return [p for p in sorted(folder.iterdir()) if p.is_file() and _review_keys(p)]
+
+
+def _category(path: Path) -> str:
+    """`reviews_Sports_5.json.gz`, `Sports_5.json.gz`, `Sports.jsonl.gz`, `meta_Sports.json.gz` -> `Sports`."""
+    stem = path.name
+    for suffix in (".gz", ".jsonl", ".json"):
+        stem = stem.removesuffix(suffix)
+    return stem.removeprefix("reviews_").removeprefix("meta_").removesuffix("_5")
+
+
+def _meta_beside(path: Path) -> Path | None:
+    """The category's metadata file in the same folder: the one named for it, else the only one."""
+    metas = [p for p in sorted(path.parent.glob("meta_*")) if p.name.endswith(_JSON_LINES)]
+    named = [p for p in metas if _category(p) == _category(path)]
+    return (named or metas)[0] if len(named) == 1 or len(metas) == 1 else None
+
+
+def _flat_text(value) -> str:
+    """A metadata field as text: lists (of lists) joined by commas."""
+    if isinstance(value, (list, tuple)):
+        return ", ".join(t for t in (_flat_text(v) for v in value) if t)
+    return str(value).strip() if value is not None else ""
+
+
+def _item_texts(meta_path: Path, item_key: str, wanted: set) -> dict:
+    """item -> "title | brand | categories | description" for the items in `wanted` (other lines are
+    skipped unparsed: a category's metadata lists many more items than its 5-core reviews)."""
+    key = re.compile(r"""['"]%s['"]\s*:\s*['"]([^'"]+)['"]""" % re.escape(item_key))
+    texts = {}
+    for n, line in enumerate(_read_text(meta_path).split("\n"), 1):
+        found = key.search(line)
+        if not found or found.group(1) not in wanted:
+            continue
+        try:
+            meta = _json_line(line)
+        except (ValueError, SyntaxError):
+            raise DataFormatError(f"{meta_path}:{n}: neither JSON nor a Python literal") from None
+        fields = (meta.get("title"), meta.get("brand") or meta.get("store"),
+                  meta.get("categories") or meta.get("category"), meta.get("description"))
+        texts[found.group(1)] = " | ".join(t for t in map(_flat_text, fields) if t)
+    return texts
+
+
+def load_amazon_reviews(path, meta_path=None, *, min_events: int = 3, max_users: int | None = None,
+                        name: str | None = None) -> SequenceData:
+    """Amazon's own review files, one review a line, as its releases publish them: 2014 and 2018
+    (`reviewerID`, `asin`, `unixReviewTime` in seconds) and 2023 (`user_id`, `parent_asin`, `timestamp`
+    in milliseconds). A review is one event (actions = 0; its rating is not used); the same user,
+    item and time twice is one event (the 2018 files repeat some reviews). item_text from the
+    category's metadata (`meta_*`, beside the file unless meta_path names it): title, brand (2023:
+    store), categories, description. No k-core filter beyond min_events: the 5-core files are already
+    filtered."""
+    path = Path(path)
+    keys = _review_keys(path)
+    if keys is None:
+        raise DataFormatError(f"{path}:1: not an Amazon review file (a JSON object with reviewerID, asin and "
+                              f"unixReviewTime, or user_id, parent_asin and timestamp)")
+    user_key, item_key, time_key, per_second = keys
+    users, items, times, seen = [], [], [], set()
+    for n, line in enumerate(_read_text(path).split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            review = json.loads(line)
+            event = (str(review[user_key]), str(review[item_key]), int(review[time_key]) // per_second)
+        except json.JSONDecodeError as e:
+            raise DataFormatError(f"{path}:{n}: invalid JSON: {e.msg}") from None
+        except KeyError as e:
+            raise DataFormatError(f"{path}:{n}: review without {e.args[0]!r}") from None
+        except (TypeError, ValueError):
+            raise DataFormatError(f"{path}:{n}: {time_key} {review[time_key]!r} is not an integer") from None
+        if event not in seen:
+            seen.add(event)
+            users.append(event[0])
+            items.append(event[1])
+            times.append(event[2])
+    meta_path = Path(meta_path) if meta_path else _meta_beside(path)
+    item_text = _item_texts(meta_path, item_key, set(items)) if meta_path else None
+    return build_sequence_data(name or _category(path), np.array(users, dtype=object), np.array(items, dtype=object),
+                               np.zeros(len(items), np.int64), np.asarray(times, np.int64), item_text=item_text,
+                               min_events=min_events, max_users=max_users)
+
+
+# --------------------------------------------------------------------------------------------
 # generic CSV
 
 _CSV_COLUMNS = {
@@ -482,7 +603,7 @@ def load_csv(path, *, min_events: int = 3, max_users: int | None = None,
 
 
 def detect_format(path) -> str:
-    """One of movielens, ml100k, amazon_sequential, amazon_json, csv (for a file or a folder)."""
+    """One of movielens, ml100k, amazon_sequential, amazon_json, amazon_reviews, csv (for a file or a folder)."""
     path = Path(path)
     if path.is_dir():
         if (path / "sequential_data.txt").exists():
@@ -495,12 +616,20 @@ def detect_format(path) -> str:
             return "ml100k"
         if len(list(path.glob("*.csv"))) == 1:
             return "csv"
+        reviews = _review_files(path)
+        if len(reviews) == 1:
+            return "amazon_reviews"
+        if reviews:
+            raise DataFormatError(f"{path}: several review files ({', '.join(p.name for p in reviews)}): "
+                                  f"pass the one to load")
         raise DataFormatError(f"{path}: no known data set layout in this folder")
     n = path.name
     if n == "sequential_data.txt":
         return "amazon_sequential"
     if n.endswith(".inter.json"):
         return "amazon_json"
+    if _review_keys(path):
+        return "amazon_reviews"
     if n.endswith((".csv", ".csv.gz")):
         return "csv"
     if n in ("u.data",) or n.endswith(".data"):
@@ -528,6 +657,9 @@ def load_path(path, *, min_events: int = 3, max_users: int | None = None) -> Seq
     if fmt == "amazon_json":
         inter = next(iter(sorted(path.glob("*.inter.json")))) if path.is_dir() else path
         return load_amazon_json(inter, name=path.name if path.is_dir() else None, **kw)
+    if fmt == "amazon_reviews":
+        return load_amazon_reviews(_review_files(path)[0] if path.is_dir() else path,
+                                   name=path.name if path.is_dir() else None, **kw)
     if fmt == "movielens":
         f = _movielens_ratings_file(path) if path.is_dir() else path
         return load_movielens(f, name=path.name if path.is_dir() else None, **kw)
