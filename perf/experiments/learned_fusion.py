@@ -71,8 +71,8 @@ def fit(x, valid, target_pos, w0, steps=300, l2=1e-3):
     return w.detach()
 
 
-def two_folds(p, w0, exclude, features=FEATURES, reference="served", seed=0):
-    """The reference order (weights w0 over `features`) and the learned one, each measured on the half
+def two_folds(p, w0, exclude, names=FEATURES, reference="served", seed=0):
+    """The reference order (weights w0 over the features `names`) and the learned one, each measured on the half
     of the users the weights were not fit on, both folds; means over the folds weighted by users."""
     x = p["features"]
     seen = x[..., FEATURES.index("seen")] > 0
@@ -80,7 +80,7 @@ def two_folds(p, w0, exclude, features=FEATURES, reference="served", seed=0):
     hit = (p["union"] == p["target"][:, None]) & valid
     target_pos = torch.where(hit.any(1), hit.float().argmax(1), torch.full_like(p["target"], -1))
     x = torch.where(valid[..., None], x, torch.zeros(()))  # -inf features of empty slots never enter
-    x = x[..., [FEATURES.index(f) for f in features]]
+    x = x[..., [FEATURES.index(f) for f in names]]
     order = torch.from_numpy(np.random.default_rng(seed).permutation(len(x)))
     halves = (order[: len(x) // 2], order[len(x) // 2:])
     sums = {reference: {}, "learned": {}}
