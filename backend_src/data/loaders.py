@@ -481,7 +481,9 @@ def _meta_beside(path: Path) -> Path | None:
     """The category's metadata file in the same folder: the one named for it, else the only one."""
     metas = [p for p in sorted(path.parent.glob("meta_*")) if p.name.endswith(_JSON_LINES)]
     named = [p for p in metas if _category(p) == _category(path)]
-    return (named or metas)[0] if len(named) == 1 or len(metas) == 1 else None
+    if len(named) == 1:
+        return named[0]
+    return metas[0] if len(metas) == 1 else None
 
 
 def _flat_text(value) -> str:
