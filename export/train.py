@@ -130,6 +130,8 @@ def parse_args(argv=None):
     p.add_argument("--alpha", type=float, default=2.0, help="stochastic length alpha (2 = off)")
     p.add_argument("--decoder-heads", type=int, default=ModelConfig.decoder_heads,
                    help="attention heads of the semantic-ID decoder's cross-attention")
+    p.add_argument("--node-output", action="store_true",
+                   help="decoding steps after the first also score each code by a learned vector of the prefix it makes")
     p.add_argument("--shared-kv", action="store_true", help="PFA ablation: one K/V projection for all steps")
     p.add_argument("--ranker-weight", type=float, default=1.0)
     p.add_argument("--ranker-positions", type=int, default=1,
@@ -248,7 +250,8 @@ def run(args, device):
             code_embedding_levels=args.code_embeddings,
         )
         model = build_model(data, cfg, seed=args.seed, end_offset=tcfg.end_offset, item_embeddings=args.item_embeddings,
-                            balanced_codes=args.balanced_codes, quantizer=args.quantizer, log=say)
+                            balanced_codes=args.balanced_codes, quantizer=args.quantizer,
+                            node_output=args.node_output, log=say)
     if args.fusion_weight is not None:
         cfg.set_fusion_weights(*args.fusion_weight)
     say(f"semantic IDs: codebook sizes {cfg.codebook_sizes}")

@@ -21,10 +21,11 @@ def _codebook(n=60, sizes=(4, 3, 3), seed=0):
     return SemanticIdCodebook.from_codes(assign_collision_codes(codes3))
 
 
-def _decoder(cb, seed=0, shared=False):
+def _decoder(cb, seed=0, shared=False, nodes=False):
     torch.manual_seed(seed)
     cfg = ModelConfig(num_items=cb.num_items, d_model=D, decoder_heads=H, codebook_sizes=cb.codebook_sizes,
-                      shared_kv_projection=shared)
+                      shared_kv_projection=shared,
+                      node_output_sizes=(0,) + cb.prefix_counts()[1:] if nodes else ())
     dec = SemanticIdDecoder(cfg).eval()
     with torch.no_grad():  # sharper attention and logits than the default init, so selection matters
         for p in dec.kv_proj:
@@ -33,6 +34,8 @@ def _decoder(cb, seed=0, shared=False):
             p.weight.normal_(0, 1.0)
         for p in dec.out:
             p.weight.mul_(4.0)
+        for e in dec.node_emb.values():  # as large as the code vectors' part, the padding row kept 0
+            e.weight[:-1].normal_(0, 1.0)
     return dec
 
 
@@ -210,6 +213,7 @@ def _slow_pfa(dec, cb, states, lengths, W, k, r, s):
         L = int(lengths[b])
         h = states[b, L - 1]
         beams = [(0.0, ())]  # (log-prob, codes so far)
+        prefix_id = {(): 0}  # codes so far -> their prefix id in the codebook
         order = None
         for t in range(T):
             kt = max(1, math.ceil(k * r ** (t - s)))
@@ -242,8 +246,10 @@ def _slow_pfa(dec, cb, states, lengths, W, k, r, s):
                     a = torch.stack([torch.softmax(K[t, b, rows, hh] @ q[0, 0, hh] / math.sqrt(q.shape[-1]), 0)
                                      for hh in range(H)])
                 o = torch.stack([(a[hh][:, None] * V[t, b, rows, hh]).sum(0) for hh in range(H)])  # [H, dh]
-                logits = dec.head(x, o[None, None], t)[0, 0]
+                nodes = cb.child(t)[prefix_id[codes]][None, None] if dec.has_node_output(t) else None
+                logits = dec.head(x, o[None, None], t, nodes=nodes)[0, 0]
                 valid = [c for c in range(logits.shape[0]) if codes + (c,) in prefixes[t + 1]]
+                prefix_id.update({codes + (c,): int(cb.child(t)[prefix_id[codes], c]) for c in valid})
                 lse = torch.logsumexp(logits[valid], 0).item()
                 cands += [(lp + logits[c].item() - lse, codes + (c,)) for c in valid]
             beams = sorted(cands, key=lambda x: -x[0])[:W]
@@ -258,9 +264,10 @@ def _slow_pfa(dec, cb, states, lengths, W, k, r, s):
      (4, 1, 20, 1.0, (4, 3, 3)), (5, 1, 5, 0.5, SPARSE_SIZES),
      (6, 1, 5, 0.5, (8, 6)), (7, 2, 4, 0.5, (3, 2, 2, 2, 2)), (8, 3, 4, 0.5, (2, 2, 2, 2, 2, 2, 2))],
 )
-def test_pfa_matches_slow_reference(seed, s, k, r, sizes):
+@pytest.mark.parametrize("nodes", [False, True])
+def test_pfa_matches_slow_reference(seed, s, k, r, sizes, nodes):
     cb = _codebook(n=60, seed=seed, sizes=sizes)
-    dec = _decoder(cb, seed=seed)
+    dec = _decoder(cb, seed=seed, nodes=nodes)
     states, lengths = _history(B=3, N=10, seed=seed)
     W = 5
     with torch.no_grad():
@@ -317,34 +324,45 @@ def test_shared_kv_projection_is_one_projection():
 # ---------------------------------------------------------------------------------------------
 # training path
 # ---------------------------------------------------------------------------------------------
-def test_training_logits_causal_and_consistent_with_decoding():
-    cb = _codebook()
-    dec = _decoder(cb)
+@pytest.mark.parametrize("sizes", [(4, 3, 3), SPARSE_SIZES])
+@pytest.mark.parametrize("nodes", [False, True])
+def test_training_logits_causal_and_consistent_with_decoding(sizes, nodes):
+    cb = _codebook(sizes=sizes)
+    dec = _decoder(cb, nodes=nodes)
     B, N = 2, 9
     states, lengths = _history(B=B, N=N, lengths=[9, 6])
     target = cb.codes[torch.randint(1, cb.num_items + 1, (B, N))]  # [B, N, 4]
     with torch.no_grad():
-        logits = dec.training_logits(states, lengths, target)
+        logits = dec.training_logits(states, lengths, target, cb)
+        # the head on the rows of a mask alone: those rows' logits
+        valid = torch.rand(B, N) < 0.5
+        assert all(torch.allclose(a, b[valid], atol=1e-6)
+                   for a, b in zip(dec.training_logits(states, lengths, target, cb, valid), logits))
         assert [lg.shape for lg in logits] == [(B, N, c) for c in cb.codebook_sizes]
         i = 4
         changed = states.clone()
         changed[:, i + 1:] += torch.randn_like(changed[:, i + 1:])
-        other = dec.training_logits(changed, lengths, target)
+        other = dec.training_logits(changed, lengths, target, cb)
         for a, b in zip(logits, other):
             assert torch.allclose(a[:, : i + 1], b[:, : i + 1], atol=1e-6)
             assert not torch.allclose(a[:, i + 1:], b[:, i + 1:])
         # the query at the last position equals a decoding query with the same code prefix
         K, V = dec.project_history(states)
         last = lengths - 1
+        ids = cb.level_prefixes(target[torch.arange(B), last])  # [B, 5]
         for t in range(4):
             prefix = sum((dec.code_embedding(target[torch.arange(B), last, l], l) for l in range(t)),
                          torch.zeros(B, D))
             x, q = dec.query(states[torch.arange(B), last], prefix[:, None], t)
-            dl = dec.head(x, ops.decode_attention(q, K[t], V[t], lengths), t)[:, 0]
+            nxt = cb.next_prefixes(ids[:, t, None], t) if dec.has_node_output(t) else None  # every code's
+            dl = dec.head(x, ops.decode_attention(q, K[t], V[t], lengths), t, nodes=nxt)[:, 0]
             assert torch.allclose(dl, logits[t][torch.arange(B), last], atol=1e-5)
-    loss = dec.training_loss(states, lengths, target)
+    loss = dec.training_loss(states, lengths, target, cb)
     loss.backward()
     assert torch.isfinite(loss) and all(p.grad is not None for p in dec.kv_proj.parameters())
+    if nodes:  # the vectors of prefixes that continue an item learn; -1's rows stay 0
+        assert sum(e.weight.grad[:-1].abs().sum() for e in dec.node_emb.values()) > 0
+        assert not any(e.weight.grad[-1].any() for e in dec.node_emb.values())
 
 
 # ---------------------------------------------------------------------------------------------

@@ -473,6 +473,18 @@ class SemanticIdCodebook(nn.Module):
     def child(self, level: int) -> torch.Tensor:
         return getattr(self, f"child_{level}")
 
+    def prefix_counts(self) -> tuple:
+        """P_1..P_L: how many distinct level-(t+1) prefixes there are, for t = 0..L-1 (P_L = items)."""
+        return tuple(self.child(t).shape[0] for t in range(1, self.num_levels)) + (self.leaf_item.shape[0],)
+
+    def next_prefixes(self, prefix_ids: torch.Tensor, level: int, codes: torch.Tensor | None = None) -> torch.Tensor:
+        """Level-t prefix ids [...] -> the level-(t+1) prefix ids of codes [..., K], or of every
+        code [..., C_t] when codes is None (-1 where a code continues no item or the prefix is dead)."""
+        if codes is not None:
+            return self.advance(prefix_ids[..., None].expand(codes.shape), codes, level)
+        table = F.pad(self.child(level), (0, 0, 0, 1), value=-1)  # + an all -1 row, which -1 indexes
+        return F.embedding(prefix_ids % table.shape[0], table)
+
     def valid_mask(self, prefix_ids: torch.Tensor, level: int) -> torch.Tensor:
         """prefix_ids [...] (level-t prefix ids, -1 = dead) -> bool [..., C_t]: codes that
         continue some existing item."""

@@ -50,7 +50,8 @@ def retrieval_log_probs(model, states, lengths, items, per_level=False):
     for t in range(dec.num_steps):
         x, q = dec.query(user_state, prefix_emb, t)
         K, V = dec.project_step(states, t)
-        logits = dec.head(x, ops.decode_attention(q, K, V, lengths), t) + cb.code_bias(prefix, t)
+        nodes = cb.next_prefixes(prefix, t) if dec.has_node_output(t) else None
+        logits = dec.head(x, ops.decode_attention(q, K, V, lengths), t, nodes=nodes) + cb.code_bias(prefix, t)
         lp[..., t] = torch.log_softmax(logits.float(), -1).gather(2, codes[..., t, None])[..., 0]
         prefix = cb.advance(prefix, codes[..., t], t)
         if t + 1 < dec.num_steps:
