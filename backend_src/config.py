@@ -20,9 +20,10 @@ class ModelConfig:
     # semantic IDs: 3 residual k-means levels + 1 collision code (size filled in when built)
     codebook_sizes: tuple = (256, 256, 256, 1)
     decoder_heads: int = 2
-    # decoding steps after the first add to each code's logit the product of the head's output
-    # with the mean item vector under the prefix the code makes (SemanticIdDecoder, node output)
-    node_output: bool = False
+    # per decoding step t, the number of level-(t+1) prefixes of the codebook when step t adds a
+    # learned vector per prefix to its code logits (SemanticIdDecoder.node_scores), 0 where not;
+    # () = no step does (filled in from the codebook when built)
+    node_output_sizes: tuple = ()
     shared_kv_projection: bool = False  # PFA ablation: one K/V projection for all steps
     ranker_negatives: int = 64
     ranker_hard_fraction: float = 0.5  # share of the ranker negatives that share the positive's first code
@@ -61,12 +62,14 @@ class ModelConfig:
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["codebook_sizes"] = list(self.codebook_sizes)
+        d["node_output_sizes"] = list(self.node_output_sizes)
         return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
         d = dict(d)
         d["codebook_sizes"] = tuple(d["codebook_sizes"])
+        d["node_output_sizes"] = tuple(d.get("node_output_sizes", ()))
         return cls(**d)
 
 

@@ -77,7 +77,8 @@ def build_model(data, cfg: ModelConfig, embedding_dim: int = 64, seed: int = 0, 
                 node_output: bool = False, log=None) -> GenerativeRecommender:
     """A fresh model whose semantic IDs are fit on each user's events but the last end_offset,
     from the item embeddings of `item_embeddings` (semantic_ids.build_item_embeddings' sources).
-    node_output: the decoder's node output (cfg.node_output).
+    node_output: decoding steps 1..L-1 add a learned vector per prefix they make (the decoder's
+    node output; step 0's prefixes are its codes, which the head already has a vector for).
 
     Data parallel: rank 0 builds the semantic IDs and broadcasts them, so every rank trains on the
     same codes whatever the numerics of each process (the weights are then seeded alike)."""
@@ -90,7 +91,7 @@ def build_model(data, cfg: ModelConfig, embedding_dim: int = 64, seed: int = 0, 
         codes = dist.broadcast_object(codebook.codes if codebook is not None else None)
         codebook = SemanticIdCodebook.from_codes(codes)
     cfg.codebook_sizes = tuple(int(c) for c in codebook.codebook_sizes)
-    cfg.node_output = cfg.node_output or node_output
+    cfg.node_output_sizes = (0,) + codebook.prefix_counts()[1:] if node_output else ()
     torch.manual_seed(seed)
     return GenerativeRecommender(cfg, codebook, data.item_ids)
 
@@ -166,7 +167,7 @@ def losses(model: GenerativeRecommender, batch, sampler: NegativeSampler, tcfg: 
     targets = batch.targets
     valid = targets > 0
     codes = model.codebook.codes[targets]  # [B, N, 4]
-    logits = model.decoder.training_logits(cache.states, batch.lengths, codes, model.codebook, valid, model.node_tables())
+    logits = model.decoder.training_logits(cache.states, batch.lengths, codes, model.codebook, valid)
     out = {"retrieval": code_loss(model.codebook, logits, codes[valid], tcfg.code_loss)}
     if tcfg.ranker_weight > 0:
         out["ranking"] = tcfg.ranker_weight * model.ranker.training_loss(

@@ -56,13 +56,13 @@ from export.evaluate import fusion_weights, result_rows, tune_fusion
 RECIPE = dict(
     d_model=96, layers=2, heads=2, dropout=0.3, codebook=(256, 256, 256),
     lr=2e-3, lr_schedule="cosine", weight_decay=0.1, dense_negatives=1024, ranker_negatives=32,
-    code_embeddings=3, valid_users=4000, epochs=40, minutes=30.0,
+    code_embeddings=3, node_output=True, valid_users=4000, epochs=12, minutes=30.0,
 )
 # The small models of the speed benchmarks, the tests and the demo: fixed sizes and the settings
 # their recorded results were trained with (perf/results/*.json "command"), not quality recipes.
 _SMALL = dict(layers=2, heads=2, dropout=0.2, lr=1e-3, lr_schedule="constant", weight_decay=0.0,
-              dense_negatives=0, ranker_negatives=64, code_embeddings=0, valid_users=2000, minutes=None,
-              item_embeddings="auto")
+              dense_negatives=0, ranker_negatives=64, code_embeddings=0, node_output=False, valid_users=2000,
+              minutes=None, item_embeddings="auto")
 BENCHMARK_CONFIGS = {
     "synthetic": dict(_SMALL, d_model=48, max_len=64, codebook=(32, 32, 32), epochs=4),
     "ml-100k": dict(_SMALL, d_model=64, max_len=200, codebook=(32, 32, 32), epochs=30),
@@ -130,8 +130,9 @@ def parse_args(argv=None):
     p.add_argument("--alpha", type=float, default=2.0, help="stochastic length alpha (2 = off)")
     p.add_argument("--decoder-heads", type=int, default=ModelConfig.decoder_heads,
                    help="attention heads of the semantic-ID decoder's cross-attention")
-    p.add_argument("--node-output", action="store_true",
-                   help="decoding steps after the first also score each code by a learned vector of the prefix it makes")
+    p.add_argument("--node-output", action=argparse.BooleanOptionalAction, default=None,
+                   help="decoding steps after the first also score each code by a learned vector of the prefix it "
+                        f"makes (recipe: {'on' if RECIPE['node_output'] else 'off'})")
     p.add_argument("--shared-kv", action="store_true", help="PFA ablation: one K/V projection for all steps")
     p.add_argument("--ranker-weight", type=float, default=1.0)
     p.add_argument("--ranker-positions", type=int, default=1,

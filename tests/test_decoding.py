@@ -21,10 +21,11 @@ def _codebook(n=60, sizes=(4, 3, 3), seed=0):
     return SemanticIdCodebook.from_codes(assign_collision_codes(codes3))
 
 
-def _decoder(cb, seed=0, shared=False):
+def _decoder(cb, seed=0, shared=False, nodes=False):
     torch.manual_seed(seed)
     cfg = ModelConfig(num_items=cb.num_items, d_model=D, decoder_heads=H, codebook_sizes=cb.codebook_sizes,
-                      shared_kv_projection=shared)
+                      shared_kv_projection=shared,
+                      node_output_sizes=(0,) + cb.prefix_counts()[1:] if nodes else ())
     dec = SemanticIdDecoder(cfg).eval()
     with torch.no_grad():  # sharper attention and logits than the default init, so selection matters
         for p in dec.kv_proj:
@@ -33,15 +34,9 @@ def _decoder(cb, seed=0, shared=False):
             p.weight.normal_(0, 1.0)
         for p in dec.out:
             p.weight.mul_(4.0)
+        for e in dec.node_emb.values():  # as large as the code vectors' part, the padding row kept 0
+            e.weight[:-1].normal_(0, 1.0)
     return dec
-
-
-def _node_tables(cb, seed=0):
-    """Random vectors of every step's prefixes but the first (as large as the code vectors' part),
-    a zero last row: the shape GenerativeRecommender.node_tables gives."""
-    g = torch.Generator().manual_seed(seed)
-    counts = cb.prefix_counts()
-    return [None] + [torch.cat([torch.randn(counts[t], D, generator=g), torch.zeros(1, D)]) for t in range(1, len(counts))]
 
 
 def _history(B=3, N=12, seed=0, lengths=None):
@@ -207,7 +202,7 @@ def _item_codes(cb):
     return {tuple(r): i + 1 for i, r in enumerate(cb.codes[1:].tolist())}
 
 
-def _slow_pfa(dec, cb, states, lengths, W, k, r, s, tables=None):
+def _slow_pfa(dec, cb, states, lengths, W, k, r, s):
     """Loop-based PFA decoding: per user, per beam, per step, written from the paper's formulas."""
     T = cb.num_levels
     K, V = dec.project_history(states)
@@ -251,9 +246,8 @@ def _slow_pfa(dec, cb, states, lengths, W, k, r, s, tables=None):
                     a = torch.stack([torch.softmax(K[t, b, rows, hh] @ q[0, 0, hh] / math.sqrt(q.shape[-1]), 0)
                                      for hh in range(H)])
                 o = torch.stack([(a[hh][:, None] * V[t, b, rows, hh]).sum(0) for hh in range(H)])  # [H, dh]
-                table = tables[t] if tables else None
-                logits = dec.head(x, o[None, None], t, nodes=cb.child(t)[prefix_id[codes]][None, None],
-                                  node_table=table)[0, 0]
+                nodes = cb.child(t)[prefix_id[codes]][None, None] if dec.has_node_output(t) else None
+                logits = dec.head(x, o[None, None], t, nodes=nodes)[0, 0]
                 valid = [c for c in range(logits.shape[0]) if codes + (c,) in prefixes[t + 1]]
                 prefix_id.update({codes + (c,): int(cb.child(t)[prefix_id[codes], c]) for c in valid})
                 lse = torch.logsumexp(logits[valid], 0).item()
@@ -273,14 +267,12 @@ def _slow_pfa(dec, cb, states, lengths, W, k, r, s, tables=None):
 @pytest.mark.parametrize("nodes", [False, True])
 def test_pfa_matches_slow_reference(seed, s, k, r, sizes, nodes):
     cb = _codebook(n=60, seed=seed, sizes=sizes)
-    dec = _decoder(cb, seed=seed)
-    tables = _node_tables(cb, seed) if nodes else None
+    dec = _decoder(cb, seed=seed, nodes=nodes)
     states, lengths = _history(B=3, N=10, seed=seed)
     W = 5
     with torch.no_grad():
-        opts = DecodeOptions(mode="pfa", beam_width=W, k=k, r=r, selection_step=s)
-        res = generate(dec, cb, states, lengths, opts, tables)
-        ref_items, ref_lp = _slow_pfa(dec, cb, states, lengths, W, k, r, s, tables)
+        res = generate(dec, cb, states, lengths, DecodeOptions(mode="pfa", beam_width=W, k=k, r=r, selection_step=s))
+        ref_items, ref_lp = _slow_pfa(dec, cb, states, lengths, W, k, r, s)
     assert res.item_ids.tolist() == ref_items
     assert torch.allclose(res.log_probs, torch.tensor(ref_lp), atol=1e-4)
 
@@ -336,25 +328,21 @@ def test_shared_kv_projection_is_one_projection():
 @pytest.mark.parametrize("nodes", [False, True])
 def test_training_logits_causal_and_consistent_with_decoding(sizes, nodes):
     cb = _codebook(sizes=sizes)
-    dec = _decoder(cb)
-    tables = _node_tables(cb) if nodes else None
-    if nodes:
-        for table in tables[1:]:
-            table.requires_grad_(True)
+    dec = _decoder(cb, nodes=nodes)
     B, N = 2, 9
     states, lengths = _history(B=B, N=N, lengths=[9, 6])
     target = cb.codes[torch.randint(1, cb.num_items + 1, (B, N))]  # [B, N, 4]
     with torch.no_grad():
-        logits = dec.training_logits(states, lengths, target, cb, node_tables=tables)
+        logits = dec.training_logits(states, lengths, target, cb)
         # the head on the rows of a mask alone: those rows' logits
         valid = torch.rand(B, N) < 0.5
         assert all(torch.allclose(a, b[valid], atol=1e-6)
-                   for a, b in zip(dec.training_logits(states, lengths, target, cb, valid, tables), logits))
+                   for a, b in zip(dec.training_logits(states, lengths, target, cb, valid), logits))
         assert [lg.shape for lg in logits] == [(B, N, c) for c in cb.codebook_sizes]
         i = 4
         changed = states.clone()
         changed[:, i + 1:] += torch.randn_like(changed[:, i + 1:])
-        other = dec.training_logits(changed, lengths, target, cb, node_tables=tables)
+        other = dec.training_logits(changed, lengths, target, cb)
         for a, b in zip(logits, other):
             assert torch.allclose(a[:, : i + 1], b[:, : i + 1], atol=1e-6)
             assert not torch.allclose(a[:, i + 1:], b[:, i + 1:])
@@ -366,15 +354,15 @@ def test_training_logits_causal_and_consistent_with_decoding(sizes, nodes):
             prefix = sum((dec.code_embedding(target[torch.arange(B), last, l], l) for l in range(t)),
                          torch.zeros(B, D))
             x, q = dec.query(states[torch.arange(B), last], prefix[:, None], t)
-            table = tables[t] if nodes else None  # with every code's next prefix
-            dl = dec.head(x, ops.decode_attention(q, K[t], V[t], lengths), t,
-                          nodes=cb.next_prefixes(ids[:, t, None], t), node_table=table)[:, 0]
+            nxt = cb.next_prefixes(ids[:, t, None], t) if dec.has_node_output(t) else None  # every code's
+            dl = dec.head(x, ops.decode_attention(q, K[t], V[t], lengths), t, nodes=nxt)[:, 0]
             assert torch.allclose(dl, logits[t][torch.arange(B), last], atol=1e-5)
-    loss = dec.training_loss(states, lengths, target, cb, tables)
+    loss = dec.training_loss(states, lengths, target, cb)
     loss.backward()
     assert torch.isfinite(loss) and all(p.grad is not None for p in dec.kv_proj.parameters())
-    if nodes:  # the vectors of the prefixes that continue an item learn
-        assert sum(table.grad[:-1].abs().sum() for table in tables[1:]) > 0
+    if nodes:  # the vectors of prefixes that continue an item learn; -1's rows stay 0
+        assert sum(e.weight.grad[:-1].abs().sum() for e in dec.node_emb.values()) > 0
+        assert not any(e.weight.grad[-1].any() for e in dec.node_emb.values())
 
 
 # ---------------------------------------------------------------------------------------------

@@ -277,8 +277,11 @@ def test_the_recipe_fills_what_no_flag_gives():
     assert args.lr == 1e-3 and "lr" not in filled
     recipe = train_cli.RECIPE
     assert (args.epochs, args.minutes, args.d_model, args.max_len) == (recipe["epochs"], recipe["minutes"], 96, 50)
-    assert filled["lr_schedule"] == "cosine" and args.code_embeddings == 3
+    assert filled["lr_schedule"] == "cosine" and args.code_embeddings == 3 and args.node_output is True
     assert args.item_embeddings == "collaborative"  # no item text: co-occurrence
+    args = train_cli.parse_args(["--data", "amazon-toys", "--no-node-output"])
+    train_cli.resolve_settings(args, events([7] * 100))
+    assert args.node_output is False
     with_text = SimpleNamespace(**vars(events([7] * 100)), item_text={1: "a caliper"})
     args = train_cli.parse_args(["--data", "amazon-tools"])
     train_cli.resolve_settings(args, with_text)
@@ -291,6 +294,7 @@ def test_the_recipe_fills_what_no_flag_gives():
     train_cli.resolve_settings(args, with_text)
     assert (args.d_model, args.max_len, args.codebook, args.minutes) == (64, 512, (64, 64, 64), 28)
     assert args.item_embeddings == "auto" and args.code_embeddings == 0  # as its recorded results were trained
+    assert args.node_output is False
     args = train_cli.parse_args(["--data", "amazon-beauty", "--minutes", "0"])
     train_cli.resolve_settings(args, events([7] * 100))
     assert args.minutes is None  # no time cap

@@ -39,11 +39,8 @@ class BeamResult:
 
 
 @torch.no_grad()
-def generate(decoder, codebook, states: torch.Tensor, lengths: torch.Tensor, options: DecodeOptions,
-             node_tables: list | None = None) -> BeamResult:
-    """states [B, N, D] history states (left-aligned), lengths [B] (>= 1) -> top-W items per user.
-    node_tables: per step, the vectors of the prefixes it makes where the decoder has node output
-    (GenerativeRecommender.node_tables), else None."""
+def generate(decoder, codebook, states: torch.Tensor, lengths: torch.Tensor, options: DecodeOptions) -> BeamResult:
+    """states [B, N, D] history states (left-aligned), lengths [B] (>= 1) -> top-W items per user."""
     if tuple(decoder.sizes) != codebook.codebook_sizes:
         raise ValueError(f"decoder code sizes {decoder.sizes} != codebook sizes {codebook.codebook_sizes}")
     W = options.beam_width
@@ -59,7 +56,6 @@ def generate(decoder, codebook, states: torch.Tensor, lengths: torch.Tensor, opt
     beam_lp = torch.zeros(B, 1, device=dev)
     prefix_emb = torch.zeros(B, 1, decoder.d_model, device=dev, dtype=states.dtype)
     codes = torch.zeros(B, 1, 0, dtype=torch.long, device=dev)
-    node_tables = node_tables or [None] * T
 
     for t in range(T):
         x, q = decoder.query(user_state, prefix_emb, t)  # [B, Wt, D], [B, Wt, H, dh]
@@ -69,8 +65,8 @@ def generate(decoder, codebook, states: torch.Tensor, lengths: torch.Tensor, opt
         # the codes that continue an existing item (a live prefix always has one): [B, Wt, M]
         # lists where the level's lists are short, else all C_t codes with -inf on the others
         kids, bias = codebook.continuations(prefix, t)
-        nodes = codebook.next_prefixes(prefix, t, kids) if node_tables[t] is not None else None
-        logits = decoder.head(x, attn, t, codes=kids, nodes=nodes, node_table=node_tables[t])  # [B, Wt, M]
+        nodes = codebook.next_prefixes(prefix, t, kids) if decoder.has_node_output(t) else None
+        logits = decoder.head(x, attn, t, codes=kids, nodes=nodes)  # [B, Wt, M]
         M = logits.shape[-1]
         step_lp = torch.log_softmax(logits.float() + bias, dim=-1)
         scores = step_lp.add_(beam_lp[:, :, None]).reshape(B, Wt * M)  # + the beam's score

@@ -44,8 +44,6 @@ class DecodeGraphs:
     def __init__(self, model, batch_buckets=BATCH_BUCKETS, history_buckets=HISTORY_BUCKETS, max_history=None,
                  use_graphs: bool | None = None, pad: bool | None = None, max_graphs: int = 256):
         self.decoder, self.codebook = model.decoder, model.codebook
-        with torch.no_grad():  # the node output's vectors (fixed while serving), or None
-            self.node_tables = model.node_tables() if hasattr(model, "node_tables") else None
         self.device = next(self.decoder.parameters()).device
         self.use_graphs = self.device.type == "cuda" if use_graphs is None else bool(use_graphs)
         if self.use_graphs and self.device.type != "cuda":
@@ -96,12 +94,11 @@ class DecodeGraphs:
         size = self.bucket(B, n) if self.pad else None
         if size is None:
             self.stats["eager"] += 1
-            return generate(self.decoder, self.codebook, states.to(self.device), lengths.to(self.device), options,
-                            self.node_tables)
+            return generate(self.decoder, self.codebook, states.to(self.device), lengths.to(self.device), options)
         if not self.use_graphs:
             s, ln = self.pad_inputs(states, lengths, *size)
             self.stats["eager"] += 1
-            return _rows(generate(self.decoder, self.codebook, s, ln, options, self.node_tables), B)
+            return _rows(generate(self.decoder, self.codebook, s, ln, options), B)
         g = self._graph(options, *size, states.dtype)
         self.pad_inputs(states, lengths, *size, out=(g.states, g.lengths))
         g.graph.replay()
@@ -128,8 +125,7 @@ class DecodeGraphs:
                 self._graphs.pop(next(iter(self._graphs)))
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
-            g = _Graph(self.decoder, self.codebook, self.node_tables, options, batch, history, dtype, self.device,
-                       self._pool)
+            g = _Graph(self.decoder, self.codebook, options, batch, history, dtype, self.device, self._pool)
             self._graphs[key] = g
             self.stats["captures"] += 1
         return g
@@ -138,11 +134,11 @@ class DecodeGraphs:
 class _Graph:
     """One captured decode: static inputs (states, lengths), the graph, its static outputs."""
 
-    def __init__(self, decoder, codebook, node_tables, options, batch, history, dtype, device, pool):
+    def __init__(self, decoder, codebook, options, batch, history, dtype, device, pool):
         D = decoder.d_model
         self.states = torch.zeros(batch, history, D, dtype=dtype, device=device)
         self.lengths = torch.ones(batch, dtype=torch.long, device=device)
-        run = lambda: generate(decoder, codebook, self.states, self.lengths, options, node_tables)  # noqa: E731
+        run = lambda: generate(decoder, codebook, self.states, self.lengths, options)  # noqa: E731
         # compile the Triton kernels and settle the allocator off the capture
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))

@@ -6,14 +6,12 @@ pair when cfg.shared_kv_projection), computed once before decoding. The query of
 t comes from the user's last history state, the embeddings of the codes generated so far and a
 step embedding; the attention output goes through a head to logits over the C_t codes of level t.
 
-With node output (cfg.node_output), steps t >= 1 also score each candidate code by the vector of
-the level-(t+1) prefix it would make: logit(c | p) = w_c . h + e_{p.c} . h, where e_n is the mean
-of the item vectors (the backbone's item table, tied as a language model ties its output to its
-input embeddings) of the items under prefix n (GenerativeRecommender.node_tables). The head's code
-vectors w_c are shared by every parent p, so alone they tell items under one prefix apart only
-through the query; the tied vectors give the last steps, where a prefix is nearly an item (Beauty:
-7,916 two-code prefixes for 12,101 items), the items' own collaborative vectors, the ones the
-dense retrieval of "Self-Attentive Sequential Recommendation" scores, inside the generative order.
+With node output (cfg.node_output_sizes), step t also scores each candidate code by a learned
+vector of the level-(t+1) prefix it would make: logit(c | p) = w_c . h + e_{p.c} . h. The head's
+code vectors w_c are shared by every parent p, so alone they can tell items under one prefix apart
+only through the query; a vector per prefix gives the last steps, where a prefix is nearly an item
+(Beauty: 7,916 two-code prefixes for 12,101 items), an item's own collaborative vector as the
+dense retrieval of "Self-Attentive Sequential Recommendation" has, inside the generative order.
 
 The history rows are projected without their biases: the key bias b_k shifts all of a query's
 logits by the same q.b_k (it cancels in the softmax) and the value bias b_v adds b_v to every
@@ -74,6 +72,15 @@ class SemanticIdDecoder(nn.Module):
         )
         self.out_norm = nn.ModuleList(nn.LayerNorm(d) for _ in range(self.num_steps))
         self.out = nn.ModuleList(nn.Linear(d, c) for c in self.sizes)
+        # a vector per level-(t+1) prefix where step t has node output; the extra last row, which
+        # prefix id -1 (no item) indexes, stays zero (padding_idx: no gradient)
+        nodes = tuple(int(n) for n in getattr(cfg, "node_output_sizes", ())) or (0,) * self.num_steps
+        if len(nodes) != self.num_steps:
+            raise ValueError(f"node_output_sizes {nodes} must name one size per step ({self.num_steps})")
+        self.node_emb = nn.ModuleDict({str(t): nn.Embedding(n + 1, d, padding_idx=n) for t, n in enumerate(nodes) if n})
+        for emb in self.node_emb.values():
+            nn.init.normal_(emb.weight, std=0.02)
+            emb.weight.data[-1].zero_()
         for emb in self.code_emb:
             nn.init.normal_(emb.weight, std=0.02)
         nn.init.normal_(self.step_emb.weight, std=0.02)
@@ -144,24 +151,29 @@ class SemanticIdDecoder(nn.Module):
         q = _linear(_layer_norm(x, self.q_norm), self._steps[step].q_proj)
         return x, q.view(*q.shape[:-1], self.num_heads, self.head_dim)
 
-    @staticmethod
-    def node_scores(h: torch.Tensor, nodes: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-        """h [..., D] the head's normalized output, nodes [..., K] level-(t+1) prefix ids (-1 = none),
-        table [P + 1, D] their vectors (the last row, which -1 indexes, zero) -> e_node . h [..., K]."""
-        vectors = F.embedding(nodes % table.shape[0], table)  # [..., K, D]
+    def has_node_output(self, step: int) -> bool:
+        return str(step) in self.node_emb
+
+    def node_scores(self, h: torch.Tensor, nodes: torch.Tensor, step: int) -> torch.Tensor:
+        """h [..., D] the head's normalized output, nodes [..., K] level-(t+1) prefix ids (-1 = none)
+        -> e_node . h [..., K] (0 where -1)."""
+        emb = self.node_emb[str(step)]
+        vectors = F.embedding(nodes % emb.num_embeddings, emb.weight, padding_idx=emb.padding_idx)  # [..., K, D]
         return torch.matmul(vectors, h[..., None])[..., 0]
 
     def head(self, x: torch.Tensor, attn: torch.Tensor, step: int, codes: torch.Tensor | None = None,
-             nodes: torch.Tensor | None = None, node_table: torch.Tensor | None = None) -> torch.Tensor:
+             nodes: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, M, D] query input, attn [B, M, H, dh] attention output over unbiased values
-        -> logits [B, M, C_t] over all codes, or [B, M, K] of codes [B, M, K] only. With node
-        output: nodes, the level-(t+1) prefix ids of those codes (SemanticIdCodebook.next_prefixes),
-        and node_table, their vectors."""
+        -> logits [B, M, C_t] over all codes, or [B, M, K] of codes [B, M, K] only. nodes: the
+        level-(t+1) prefix ids of those codes (SemanticIdCodebook.next_prefixes), required where
+        step t has node output."""
         h = self.head_state(x, attn, step)
         logits = _linear(h, self._steps[step].out)
         logits = logits if codes is None else torch.gather(logits, -1, codes)
-        if node_table is not None:
-            logits = logits + self.node_scores(h, nodes, node_table)
+        if self.has_node_output(step):
+            if nodes is None:
+                raise ValueError(f"decoding step {step} has node output: pass the codes' next prefix ids")
+            logits = logits + self.node_scores(h, nodes, step)
         return logits
 
     def head_state(self, x: torch.Tensor, attn: torch.Tensor, step: int) -> torch.Tensor:
@@ -177,7 +189,7 @@ class SemanticIdDecoder(nn.Module):
     # ---- training: teacher forcing at every history position -------------------------------------
     def training_logits(
         self, states: torch.Tensor, lengths: torch.Tensor, target_codes: torch.Tensor, codebook=None,
-        valid: torch.Tensor | None = None, node_tables: list | None = None,
+        valid: torch.Tensor | None = None,
     ) -> list[torch.Tensor]:
         """states [B, N, D], lengths [B], target_codes [B, N, 4] (codes of the item following
         each position; -1 where none) -> [logits [B, N, C_t] for t = 0..3], or [P, C_t] of the P
@@ -185,10 +197,9 @@ class SemanticIdDecoder(nn.Module):
 
         The query at position i uses h_i as its user state and the target's first t codes as its
         prefix, and attends (softmax, causal) to history rows j <= i. Positions past lengths[b]
-        produce values the loss must ignore. With node output (node_tables: per step, its vectors
-        or None), `codebook` gives the prefixes: a code's node term is added where the code
-        continues the target's prefix to an item (the codes beam search scores); the others keep
-        their code logit alone.
+        produce values the loss must ignore. With node output, `codebook` gives the prefixes: a
+        code's node term is added where the code continues the target's prefix to an item (the
+        codes beam search scores), the others keep their code logit alone.
         """
         B, N, _ = states.shape
         K, V = self.project_history(states)  # [T, B, N, H, dh]
@@ -196,8 +207,7 @@ class SemanticIdDecoder(nn.Module):
         scale = self.head_dim**-0.5
         prefix = torch.zeros_like(states)
         rows = (lambda a: a[valid]) if valid is not None else (lambda a: a)
-        node_tables = node_tables or [None] * self.num_steps
-        prefixes = codebook.level_prefixes(rows(target_codes)) if any(n is not None for n in node_tables) else None
+        prefixes = codebook.level_prefixes(rows(target_codes)) if len(self.node_emb) else None  # [.., L + 1]
         out = []
         for t in range(self.num_steps):
             x, q = self.query(states, prefix, t)  # [B, N, D], [B, N, H, dh]
@@ -206,25 +216,23 @@ class SemanticIdDecoder(nn.Module):
             attn = torch.einsum("bhij,bjhd->bihd", probs, V[t])
             h = self.head_state(rows(x), rows(attn), t)
             logits = _linear(h, self._steps[t].out)
-            table = node_tables[t]
-            if table is not None:
+            if self.has_node_output(t):
                 kids, _ = codebook.continuations(prefixes[..., t], t)
                 if kids is None:  # every code of the level
-                    logits = logits + self.node_scores(h, codebook.next_prefixes(prefixes[..., t], t), table)
+                    logits = logits + self.node_scores(h, codebook.next_prefixes(prefixes[..., t], t), t)
                 else:  # only the codes that continue the prefix (a pad continues none: its term is 0)
                     nodes = codebook.next_prefixes(prefixes[..., t], t, kids)
-                    logits = logits.scatter_add(-1, kids, self.node_scores(h, nodes, table))
+                    logits = logits.scatter_add(-1, kids, self.node_scores(h, nodes, t))
             out.append(logits)
             if t + 1 < self.num_steps:
                 prefix = prefix + self.code_embedding(target_codes[..., t], t)
         return out
 
     def training_loss(
-        self, states: torch.Tensor, lengths: torch.Tensor, target_codes: torch.Tensor, codebook=None,
-        node_tables: list | None = None,
+        self, states: torch.Tensor, lengths: torch.Tensor, target_codes: torch.Tensor, codebook=None
     ) -> torch.Tensor:
         """Mean over valid positions (target code >= 0) and steps of the code cross-entropy."""
-        logits = self.training_logits(states, lengths, target_codes, codebook, node_tables=node_tables)
+        logits = self.training_logits(states, lengths, target_codes, codebook)
         losses = [
             F.cross_entropy(lg.reshape(-1, lg.shape[-1]), target_codes[..., t].reshape(-1), ignore_index=-1)
             for t, lg in enumerate(logits)

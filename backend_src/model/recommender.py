@@ -130,7 +130,6 @@ class GenerativeRecommender(nn.Module):
         self.decoder = SemanticIdDecoder(cfg) if "decoder" in parts else None
         self.ranker = MFalconRanker(self.backbone, cfg) if "ranker" in parts else None
         self.codebook = codebook if "codebook" in parts else None
-        self._node_tables = self._node_tables_key = self._node_index = None  # node_tables' caches
         if "vocabulary" not in parts:
             item_ids = [None]
         self.item_ids = np.asarray(item_ids, dtype=object)  # raw id of each item index; [0] = None
@@ -246,39 +245,7 @@ class GenerativeRecommender(nn.Module):
     def retrieve_states(self, states: torch.Tensor, lengths: torch.Tensor, options: DecodeOptions) -> BeamResult:
         """Beam search over the final states [B, n, D] of histories of `lengths` [B] (all that
         retrieval reads of a history)."""
-        return generate(self.decoder, self.codebook, states, lengths, options, self.node_tables())
-
-    def node_tables(self) -> list | None:
-        """Per decoding step t, [P_{t+1} + 1, D]: the mean item vector (the backbone's item table)
-        of the items under each level-(t+1) prefix, and a zero last row (prefix -1); None at step 0
-        (its prefixes are its own codes) — or None without node output (cfg.node_output). Cached
-        in eval mode until the item table changes."""
-        if not self.cfg.node_output:
-            return None
-        weights = [self.backbone.item_embedding.weight]
-        if self.backbone.code_embedding is not None:
-            weights.append(self.backbone.code_embedding.weight)
-        key = tuple((id(w), w._version, w.device) for w in weights)  # an optimizer step or a load bumps _version
-        cached = not self.training and not torch.is_grad_enabled()
-        if cached and self._node_tables_key == key:
-            return self._node_tables
-        if self._node_index is None or self._node_index[0][0].device != self.codebook.codes.device:
-            # each item's level-(t+1) prefix and 1 / the prefix's item count (the codebook's, fixed)
-            prefixes = self.codebook.level_prefixes(self.codebook.codes[1:])  # [I, L + 1]
-            counts = self.codebook.prefix_counts()
-            self._node_index = [(prefixes[:, t + 1], counts[t],
-                                 1.0 / torch.bincount(prefixes[:, t + 1], minlength=counts[t] + 1).clamp_min(1))
-                                for t in range(1, self.codebook.num_levels)]
-        # read, not trained: the retrieval loss pulling the item table toward its prefixes' means
-        # cost the dense and ranking heads more than the decoder gained (docs/results.md)
-        items = self.backbone.item_table()[1:].detach()
-        tables = [None]  # mean item vector per prefix; the last row (prefix -1) zero
-        for ids, n, inverse_counts in self._node_index:
-            sums = items.new_zeros(n + 1, items.shape[1]).index_add(0, ids, items)
-            tables.append(sums * inverse_counts.to(items.dtype)[:, None])
-        if cached:
-            self._node_tables, self._node_tables_key = tables, key
-        return tables
+        return generate(self.decoder, self.codebook, states, lengths, options)
 
     def dense_operands(self, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(query [..., D], item table [I+1, D]) whose products are the dense head's scores:

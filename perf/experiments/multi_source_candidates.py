@@ -47,13 +47,11 @@ def retrieval_log_probs(model, states, lengths, items, per_level=False):
     prefix = torch.zeros(B, C, dtype=torch.long)
     prefix_emb = torch.zeros(B, C, dec.d_model)
     lp = torch.zeros(B, C, dec.num_steps)
-    tables = model.node_tables() or [None] * dec.num_steps
     for t in range(dec.num_steps):
         x, q = dec.query(user_state, prefix_emb, t)
         K, V = dec.project_step(states, t)
-        nodes = cb.next_prefixes(prefix, t) if tables[t] is not None else None
-        logits = dec.head(x, ops.decode_attention(q, K, V, lengths), t, nodes=nodes, node_table=tables[t])
-        logits = logits + cb.code_bias(prefix, t)
+        nodes = cb.next_prefixes(prefix, t) if dec.has_node_output(t) else None
+        logits = dec.head(x, ops.decode_attention(q, K, V, lengths), t, nodes=nodes) + cb.code_bias(prefix, t)
         lp[..., t] = torch.log_softmax(logits.float(), -1).gather(2, codes[..., t, None])[..., 0]
         prefix = cb.advance(prefix, codes[..., t], t)
         if t + 1 < dec.num_steps:
