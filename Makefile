@@ -91,7 +91,7 @@ bench-gpu:
 	bash perf/gpu_run.sh perf/results/gpu
 
 ## the README's quality results (long runs). `python -m export.train --data NAME` trains the recipe
-## (export/train.py RECIPE: 40 epochs, capped at 30 minutes; any flag overrides its setting)
+## (export/train.py RECIPE: 12 epochs, capped at 30 minutes; any flag overrides its setting)
 
 ## train-beauty: the recipe, its epoch and fusion weight chosen on the validation split
 train-beauty: setup
