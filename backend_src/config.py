@@ -21,7 +21,7 @@ class ModelConfig:
     codebook_sizes: tuple = (256, 256, 256, 1)
     decoder_heads: int = 2
     # per decoding step t, the number of level-(t+1) prefixes of the codebook when step t adds a
-    # learned vector per prefix to its code logits (SemanticIdDecoder.node_scores), 0 where not;
+    # learned vector per prefix to its code logits (SemanticIdDecoder.add_node_scores), 0 where not;
     # () = no step does (filled in from the codebook when built)
     node_output_sizes: tuple = ()
     shared_kv_projection: bool = False  # PFA ablation: one K/V projection for all steps

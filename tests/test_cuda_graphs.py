@@ -15,15 +15,16 @@ import torch
 from backend_src.config import DecodeOptions
 from backend_src.decoding import generate
 from backend_src.decoding.cuda_graphs import DecodeGraphs, HostReadDetector
-from test_decoding import D, _codebook, _decoder, _history  # the decoder and histories the decoding tests use
+from test_decoding import D, SPARSE_SIZES, _codebook, _decoder, _history  # the decoder and histories the decoding tests use
 
 REPO = Path(__file__).resolve().parents[1]
 MODES = ["full", "pfa", "pfa_per_beam", "dynamic_topk"]
 
 
-def _model(device="cpu", shared=False):
-    cb = _codebook(n=80, sizes=(5, 4, 4))
-    return types.SimpleNamespace(decoder=_decoder(cb, seed=1, shared=shared).to(device), codebook=cb.to(device))
+def _model(device="cpu", shared=False, nodes=False, sizes=(5, 4, 4)):
+    cb = _codebook(n=80, sizes=sizes)
+    return types.SimpleNamespace(decoder=_decoder(cb, seed=1, shared=shared, nodes=nodes).to(device),
+                                 codebook=cb.to(device))
 
 
 def _same(a, b):
@@ -101,13 +102,15 @@ def _decode_reads() -> dict:
     import triton
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = _model(device)
+    # and with node output, by parent blocks (levels 1 and 2 of SPARSE_SIZES) and per slot (level 3)
+    models = (_model(device), _model(device, nodes=True, sizes=SPARSE_SIZES))
     states, lengths = (t.to(device) for t in _history(3, 40, 5))
     out = {}
     for mode in MODES:
         opts = DecodeOptions(mode=mode, beam_width=5, k=12, r=0.5, selection_step=1)
         with HostReadDetector(ignore=(str(Path(triton.__file__).parent),)) as det:
-            generate(model.decoder, model.codebook, states, lengths, opts)
+            for model in models:
+                generate(model.decoder, model.codebook, states, lengths, opts)
         out[mode] = det.calls
     return out
 

@@ -277,6 +277,34 @@ def test_pfa_matches_slow_reference(seed, s, k, r, sizes, nodes):
     assert torch.allclose(res.log_probs, torch.tensor(ref_lp), atol=1e-4)
 
 
+def test_node_output_by_parent_blocks_equals_per_pair(monkeypatch):
+    """Levels with few prefixes score node output by parent blocks; it gives what the gather per
+    (beam, code) gives, and the cached blocks follow the weights when they change."""
+    from backend_src.model import decoder as decoder_module
+    cb = _codebook(sizes=SPARSE_SIZES)
+    dec = _decoder(cb, nodes=True)
+    states, lengths = _history(B=4, N=10)
+    options = DecodeOptions(mode="pfa", beam_width=6, k=5)
+
+    def both():
+        by_blocks = generate(dec, cb, states, lengths, options)
+        with monkeypatch.context() as m:
+            m.setattr(decoder_module, "NODE_BLOCK_MAX_PARENTS", 0)
+            assert dec.node_blocks(1, cb) is None
+            per_pair = generate(dec, cb, states, lengths, options)
+        assert torch.equal(by_blocks.item_ids, per_pair.item_ids)
+        assert torch.allclose(by_blocks.log_probs, per_pair.log_probs, atol=1e-5)
+        return by_blocks
+
+    assert dec.node_blocks(1, cb) is not None and dec.node_blocks(2, cb) is not None
+    before = both()
+    with torch.no_grad():
+        for e in dec.node_emb.values():
+            e.weight[:-1].mul_(-2.0)
+    after = both()
+    assert not torch.allclose(before.log_probs, after.log_probs)
+
+
 def test_pfa_selection_changes_output():
     """Sanity: with a small budget PFA is not just full attention."""
     cb = _codebook()

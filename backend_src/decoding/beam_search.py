@@ -65,8 +65,10 @@ def generate(decoder, codebook, states: torch.Tensor, lengths: torch.Tensor, opt
         # the codes that continue an existing item (a live prefix always has one): [B, Wt, M]
         # lists where the level's lists are short, else all C_t codes with -inf on the others
         kids, bias = codebook.continuations(prefix, t)
-        nodes = codebook.next_prefixes(prefix, t, kids) if decoder.has_node_output(t) else None
-        logits = decoder.head(x, attn, t, codes=kids, nodes=nodes)  # [B, Wt, M]
+        blocks = decoder.node_blocks(t, codebook)
+        nodes = codebook.next_prefixes(prefix, t, kids) if decoder.has_node_output(t) and blocks is None else None
+        parents = (prefix, blocks) if blocks is not None else None
+        logits = decoder.head(x, attn, t, codes=kids, nodes=nodes, parents=parents)  # [B, Wt, M]
         M = logits.shape[-1]
         step_lp = torch.log_softmax(logits.float() + bias, dim=-1)
         scores = step_lp.add_(beam_lp[:, :, None]).reshape(B, Wt * M)  # + the beam's score

@@ -482,8 +482,9 @@ class SemanticIdCodebook(nn.Module):
         code [..., C_t] when codes is None (-1 where a code continues no item or the prefix is dead)."""
         if codes is not None:
             return self.advance(prefix_ids[..., None].expand(codes.shape), codes, level)
-        table = F.pad(self.child(level), (0, 0, 0, 1), value=-1)  # + an all -1 row, which -1 indexes
-        return F.embedding(prefix_ids % table.shape[0], table)
+        table = self.child(level)
+        rows = table.index_select(0, prefix_ids.clamp_min(0).reshape(-1)).view(*prefix_ids.shape, table.shape[1])
+        return torch.where(prefix_ids[..., None] >= 0, rows, -1)
 
     def valid_mask(self, prefix_ids: torch.Tensor, level: int) -> torch.Tensor:
         """prefix_ids [...] (level-t prefix ids, -1 = dead) -> bool [..., C_t]: codes that
@@ -511,6 +512,15 @@ class SemanticIdCodebook(nn.Module):
             return None, self.code_bias(prefix_ids, level)
         rows = prefix_ids % kids.shape[0]  # -1 -> the dead row
         return F.embedding(rows, kids), F.embedding(rows, getattr(self, f"kid_bias_{level}"))
+
+    def kid_prefixes(self, level: int) -> torch.Tensor | None:
+        """[P_t + 1, M_t]: the level-(t+1) prefix id each entry of the kids table makes (-1 for
+        pads and the dead row), or None where level t has no kids table."""
+        kids = getattr(self, f"kids_{level}")
+        if kids is None:
+            return None
+        parents = torch.arange(kids.shape[0] - 1, device=kids.device)
+        return F.pad(self.next_prefixes(parents, level, kids[:-1]), (0, 0, 0, 1), value=-1)
 
     def advance(self, prefix_ids: torch.Tensor, codes: torch.Tensor, level: int) -> torch.Tensor:
         """Level-t prefix ids and the next codes -> level-(t+1) prefix ids (-1 if invalid)."""
