@@ -24,8 +24,6 @@ class ModelConfig:
     # learned vector per prefix to its code logits (SemanticIdDecoder.add_node_scores), 0 where not;
     # () = no step does (filled in from the codebook when built)
     node_output_sizes: tuple = ()
-    # training only: the node vectors fit the head's output without sending it gradient
-    node_output_detached: bool = False
     shared_kv_projection: bool = False  # PFA ablation: one K/V projection for all steps
     ranker_negatives: int = 64
     ranker_hard_fraction: float = 0.5  # share of the ranker negatives that share the positive's first code

@@ -133,8 +133,6 @@ def parse_args(argv=None):
     p.add_argument("--node-output", action=argparse.BooleanOptionalAction, default=None,
                    help="decoding steps after the first also score each code by a learned vector of the prefix it "
                         f"makes (recipe: {'on' if RECIPE['node_output'] else 'off'})")
-    p.add_argument("--node-output-detached", action="store_true",
-                   help="train the node vectors without gradient into the decoder's output (a variant)")
     p.add_argument("--shared-kv", action="store_true", help="PFA ablation: one K/V projection for all steps")
     p.add_argument("--ranker-weight", type=float, default=1.0)
     p.add_argument("--ranker-positions", type=int, default=1,
@@ -247,7 +245,6 @@ def run(args, device):
             codebook_sizes=tuple(args.codebook) + (1,),
             decoder_heads=args.decoder_heads,
             shared_kv_projection=args.shared_kv,
-            node_output_detached=args.node_output_detached,
             ranker_negatives=args.ranker_negatives,
             ranker_hard_fraction=args.ranker_hard_fraction,
             dense_temperature=args.dense_temperature,

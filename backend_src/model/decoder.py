@@ -64,7 +64,6 @@ class SemanticIdDecoder(nn.Module):
             raise ValueError(f"d_model {d} must be divisible by decoder_heads {h}")
         self.d_model, self.num_heads, self.head_dim = d, h, d // h
         self.shared_kv_projection = bool(cfg.shared_kv_projection)
-        self.node_output_detached = bool(getattr(cfg, "node_output_detached", False))
         self._blocks = {}  # step -> (the codebook's child table, the weights' version, node_blocks)
         num_kv = 1 if self.shared_kv_projection else self.num_steps
         self.kv_proj = nn.ModuleList(nn.Linear(d, 2 * d) for _ in range(num_kv))
@@ -174,8 +173,6 @@ class SemanticIdDecoder(nn.Module):
         slot was most of node output's cost. The GPU's path gathers every slot: static shapes, no
         host read sizing the pairs, so a CUDA graph captures the decode."""
         emb = self.node_emb[str(step)]
-        if self.training and self.node_output_detached:
-            h = h.detach()
         if ops.backend_for(h) != "torch":
             vectors = F.embedding(nodes % emb.num_embeddings, emb.weight, padding_idx=emb.padding_idx)  # -1: zero row
             dots = torch.matmul(vectors, h[..., None])[..., 0]
