@@ -36,17 +36,17 @@ def measure(args) -> tuple[list[dict], dict]:
     # decoding: the test histories of the users with the most events, their states from the model
     longest = np.argsort(-np.diff(np.asarray(data.offsets)), kind="stable")
     model.eval()
-    calls = {}
+    calls = {}  # name -> (call, repetitions a round, units a call: users decoded or training steps)
     for users in args.users:
         batch = next(eval_batches(data, "test", users, model.cfg.max_seq_len, users=longest[:users]))
         with torch.no_grad():
             cache = model.encode(batch.items, batch.actions, batch.timestamps, batch.lengths)
-        calls[f"decode, {users} users"] = lambda c=cache: generate(dec, cb, c.states, c.lengths, DecodeOptions())
+        decode = lambda c=cache: generate(dec, cb, c.states, c.lengths, DecodeOptions())  # noqa: E731
+        calls[f"decode, {users} users"] = (decode, max(2, 60 // users), 1)
     sampler = NegativeSampler(cb.codes, model.cfg.num_items, model.cfg.ranker_hard_fraction)
     steps = 2 if args.quick else 6
     batches = list(length_bucketed(train_batches(data, 128 * 16, model.cfg.max_seq_len, rng), 128, rng))[:steps]
-    tcfg = TrainConfig(dense_negatives=1024)
-    model.cfg.ranker_negatives = 32
+    tcfg = TrainConfig(dense_negatives=1024)  # the recipe's; ranker negatives are the checkpoint's own
 
     def train_steps():
         model.train()
@@ -54,23 +54,21 @@ def measure(args) -> tuple[list[dict], dict]:
             sum(losses(model, b, sampler, tcfg, gen).values()).backward()
             model.zero_grad(set_to_none=True)
         model.eval()
-    calls[f"training step ({len(batches)} batches of 128)"] = train_steps
+    calls[f"training step ({len(batches)} batches of 128)"] = (train_steps, 1, len(batches))
 
-    reps = {name: (1 if name.startswith("training") else max(2, 60 // int(name.split()[1]))) for name in calls}
     times = {(name, form): [] for name in calls for form in ("node output", "without")}
-    for name, call in calls.items():  # warm up both forms
+    for call, _, _ in calls.values():  # warm up both forms
         for vectors in (node_vectors, without):
             dec.node_emb = vectors
             call()
     for _ in range(rounds):
-        for name, call in calls.items():
+        for name, (call, reps, units) in calls.items():
             for form, vectors in (("node output", node_vectors), ("without", without)):
                 dec.node_emb = vectors
                 t0 = time.perf_counter()
-                for _ in range(reps[name]):
+                for _ in range(reps):
                     call()
-                per_call = (time.perf_counter() - t0) / reps[name]
-                times[name, form].append(per_call / (len(batches) if name.startswith("training") else 1) * 1e3)
+                times[name, form].append((time.perf_counter() - t0) / reps / units * 1e3)
     dec.node_emb = node_vectors
     rows = []
     for name in calls:
