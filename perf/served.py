@@ -492,8 +492,8 @@ def checkpoint_for_earlier_code(checkpoint, tree: Path, env: dict, out: Path) ->
     if not unknown:
         return Path(checkpoint)
     defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
-    changed = [k for k in unknown if config[k] != defaults[k]]
     now, earlier = (ModelConfig.from_dict(c) for c in (config, {**config, **{k: defaults[k] for k in unknown}}))
+    changed = [k for k in unknown if getattr(now, k) != defaults[k]]  # as loaded: a saved [] is the default ()
     same_order = all(now.fusion_weights(x) == earlier.fusion_weights(x) for x in (False, True))
     if not same_order or any("fusion_weight" not in k for k in changed):
         raise RuntimeError(f"the checkpoint sets {changed}, which the earlier code does not have")
