@@ -137,8 +137,6 @@ class TrainConfig:
     # the weights validated and saved: an exponential moving average of the trained ones with
     # this decay per step (0 = the trained weights themselves)
     ema_decay: float = 0.0
-    # AdamW's decay of the decoder's node-output vectors (None: weight_decay), which memorize items
-    node_weight_decay: float | None = None
     # events held out at the end of each user's sequence: 2 = the validation and test targets
     # (model selection on validation); 1 = the test target only, a final refit whose epochs and
     # fusion weight come from a validation run (the HSTU public code trains this way)

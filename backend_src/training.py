@@ -370,14 +370,7 @@ def train(
     sampler = NegativeSampler(codes, model.cfg.num_items, model.cfg.ranker_hard_fraction)
     # the fused update: one kernel over every parameter, not a dozen small ops per parameter
     # (the optimizer step was 8% of a Beauty training step on the CPU; fused, under 2%)
-    node = [p for n, p in model.named_parameters() if n.startswith("decoder.node_emb.")]
-    if tcfg.node_weight_decay is None or not node:
-        groups = [{"params": params}]
-    else:
-        ids = {id(p) for p in node}
-        groups = [{"params": [p for p in params if id(p) not in ids]},
-                  {"params": node, "weight_decay": tcfg.node_weight_decay}]
-    opt = torch.optim.AdamW(groups, lr=tcfg.lr, weight_decay=tcfg.weight_decay, betas=(0.9, 0.98), fused=True)
+    opt = torch.optim.AdamW(params, lr=tcfg.lr, weight_decay=tcfg.weight_decay, betas=(0.9, 0.98), fused=True)
     if world > 1:
         fingerprints = dist.gather_objects(_fingerprint(data, model))
         if not dist.broadcast_object(main and len(set(fingerprints)) == 1):  # every rank stops, none hangs

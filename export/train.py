@@ -124,8 +124,6 @@ def parse_args(argv=None):
     p.add_argument("--lr-schedule", choices=["constant", "cosine"],
                    help="cosine: decay the learning rate to 5%% over the epochs (or the time cap, if it comes first)")
     p.add_argument("--weight-decay", type=float, help="AdamW decoupled weight decay")
-    p.add_argument("--node-weight-decay", type=float, default=None,
-                   help="AdamW decay of the decoder's node-output vectors (default: --weight-decay's)")
     p.add_argument("--ema-decay", type=float, default=TrainConfig.ema_decay,
                    help="validate and save an exponential moving average of the weights, this decay per step (0: off)")
     p.add_argument("--dropout", type=float)
@@ -229,7 +227,6 @@ def run(args, device):
         dense_negatives=args.dense_negatives,
         seen_negatives=args.seen_negatives,
         ema_decay=args.ema_decay,
-        node_weight_decay=args.node_weight_decay,
     )
     say(f"{data.name}: {data.num_users} users, {data.num_items} items, {len(data.items)} events")
     if args.resume:
