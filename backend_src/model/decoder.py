@@ -190,8 +190,10 @@ class SemanticIdDecoder(nn.Module):
         table (zero for pads and the dead last row), where step t has node output and the level
         has a kids table and at most NODE_BLOCK_MAX_PARENTS prefixes, else None. Derived from the
         weights and kept until they change."""
+        if not self.has_node_output(step):
+            return None
         child = codebook.child(step)
-        if not self.has_node_output(step) or child.shape[0] + 1 > NODE_BLOCK_MAX_PARENTS:
+        if child.shape[0] + 1 > NODE_BLOCK_MAX_PARENTS:
             return None
         weight = self.node_emb[str(step)].weight
         key = (weight.data_ptr(), weight._version)
