@@ -32,28 +32,36 @@ class ModelConfig:
     # semantic ID (HSTUEncoder.item_vectors); a written checkpoint holds them folded into the item
     # table and says 0
     code_embedding_levels: int = 0
+    # the co-visitation expert (model/covisitation.py): pairs of training events within this many
+    # events of each other are counted; 0 = no such expert
+    covisit_window: int = 0
     # served ("fused") order: retrieval log-probability + w * M-FALCON logit + v * the dense head's
-    # log-softmax over all items (a product of three experts; the dense head's score beside the
-    # generative one, as "Unifying Generative and Dense Retrieval for Sequential Recommendation"
-    # ranks its candidates). w and v are chosen on the validation split after training
-    # (export.train, export.evaluate --tune-fusion), once with already-seen items kept in the list
-    # and once with them excluded (None: the same as kept)
+    # log-softmax over all items + u * the co-visitation score (a product of four experts; the dense
+    # head's score beside the generative one, as "Unifying Generative and Dense Retrieval for
+    # Sequential Recommendation" ranks its candidates). w, v and u are chosen on the validation split
+    # after training (export.train, export.evaluate --tune-fusion), once with already-seen items
+    # kept in the list and once with them excluded (None: the same as kept)
     rank_fusion_weight: float = 1.0
     rank_fusion_weight_seen_excluded: float | None = None
     dense_fusion_weight: float = 0.0
     dense_fusion_weight_seen_excluded: float | None = None
+    covisit_fusion_weight: float = 0.0
+    covisit_fusion_weight_seen_excluded: float | None = None
 
-    def fusion_weights(self, exclude_seen: bool = False) -> tuple[float, float]:
-        """The fused order's (ranker weight w, dense weight v) under a seen-item policy."""
+    def fusion_weights(self, exclude_seen: bool = False) -> tuple[float, float, float]:
+        """The fused order's (ranker weight w, dense weight v, co-visitation weight u) under a
+        seen-item policy."""
         def pick(kept, excluded):
             return excluded if exclude_seen and excluded is not None else kept
         return (pick(self.rank_fusion_weight, self.rank_fusion_weight_seen_excluded),
-                pick(self.dense_fusion_weight, self.dense_fusion_weight_seen_excluded))
+                pick(self.dense_fusion_weight, self.dense_fusion_weight_seen_excluded),
+                pick(self.covisit_fusion_weight, self.covisit_fusion_weight_seen_excluded))
 
-    def set_fusion_weights(self, included: tuple[float, float], excluded: tuple[float, float]) -> None:
-        """(w, v) with seen items included and with them excluded."""
-        self.rank_fusion_weight, self.dense_fusion_weight = map(float, included)
-        self.rank_fusion_weight_seen_excluded, self.dense_fusion_weight_seen_excluded = map(float, excluded)
+    def set_fusion_weights(self, included: tuple, excluded: tuple) -> None:
+        """(w, v, u) with seen items included and with them excluded."""
+        self.rank_fusion_weight, self.dense_fusion_weight, self.covisit_fusion_weight = map(float, included)
+        (self.rank_fusion_weight_seen_excluded, self.dense_fusion_weight_seen_excluded,
+         self.covisit_fusion_weight_seen_excluded) = map(float, excluded)
 
     @property
     def num_codes(self) -> int:

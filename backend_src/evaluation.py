@@ -4,8 +4,8 @@ For every test user: encode the history once, retrieve `beam_width` items by con
 semantic-ID beam search (retrieval order = beam log-probability), rank the same candidates with
 M-FALCON against the cached history, and score the held-out item in each order: the beam's, the
 ranker's and the served (fused) one, which adds the auxiliary dense head's log-softmax (state .
-item embedding over all items) as a third expert. The dense head's own top items are reported as
-a diagnostic.
+item embedding over all items) as a third expert and the co-visitation score as a fourth. The
+dense head's own top items are reported as a diagnostic.
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def evaluate(
     users=None,  # explicit user rows (overrides max_users)
     rank: bool = True,
     dense: bool = True,
-    fusion_weights=(),  # extra orders "fused@w,v": (w, v) pairs of the fused order's weights (`fuse`)
+    fusion_weights=(),  # extra orders "fused@w,v,u": (w, v, u) weights of the fused order (`fuse`)
     ks=(5, 10),
     progress: bool = True,
 ) -> dict:
@@ -67,12 +67,14 @@ def evaluate(
             t0 = time.perf_counter()
             rank_scores = model.rank(cache, beams.item_ids)
             dense_log_probs = log_softmax_at(dense_scores, beams.item_ids)
+            covisit = model.covisit_scores(batch.items, beams.item_ids)
             t_rank += time.perf_counter() - t0
 
-            def served(excl, rank_by, weights=(0.0, 0.0)):
+            def served(excl, rank_by, weights=(0.0, 0.0, 0.0)):
                 return served_order(rank_scores, beams.log_probs, beams.item_ids, batch.items, rank_by=rank_by,
-                                    fusion_weight=weights[0], dense_log_probs=dense_log_probs,
-                                    dense_weight=weights[1], exclude_seen=excl, top_k=max(ks))[0]
+                                    fusion_weight=weights[0], dense_log_probs=dense_log_probs, dense_weight=weights[1],
+                                    covisit_scores=covisit, covisit_weight=weights[2], exclude_seen=excl,
+                                    top_k=max(ks))[0]
 
             orders["ranked"] = lambda excl: served(excl, "ranker")
             # the product of the experts, with the weights the checkpoint holds for each seen-item
@@ -93,24 +95,35 @@ def evaluate(
     return out
 
 
-# the fused order's weights tried on validation: (w, v) for every ranker weight w and dense weight v
-FUSION_GRID = tuple((w, v) for w in (0.0, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0) for v in (0.0, 0.25, 0.5, 0.75, 1.0, 1.5))
+# the fused order's weights tried on validation: every ranker weight w, dense weight v and, where
+# the model has the co-visitation expert, co-visitation weight u
+RANK_WEIGHTS = (0.0, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0)
+DENSE_WEIGHTS = (0.0, 0.25, 0.5, 0.75, 1.0, 1.5)
+COVISIT_WEIGHTS = (0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0)
 
 
-def fused_name(w: float, v: float) -> str:
-    """The evaluation's name of the fused order with ranker weight w and dense weight v."""
-    return f"fused@{w:g},{v:g}"
+def fusion_grid(model) -> tuple[tuple[float, float, float], ...]:
+    covisit = COVISIT_WEIGHTS if model.covisitation is not None else (0.0,)
+    return tuple((w, v, u) for w in RANK_WEIGHTS for v in DENSE_WEIGHTS for u in covisit)
 
 
-def tune_fusion_weights(model, data, options: DecodeOptions | None = None, weights=FUSION_GRID,
+def fused_name(w: float, v: float, u: float) -> str:
+    """The evaluation's name of the fused order with ranker weight w, dense weight v and
+    co-visitation weight u."""
+    return f"fused@{w:g},{v:g},{u:g}"
+
+
+def tune_fusion_weights(model, data, options: DecodeOptions | None = None, weights=None,
                         metric: str = "ndcg@10", progress: bool = True) -> tuple[dict, dict]:
-    """For each seen-item policy, the (ranker, dense) weights of the fused order with the best
-    validation `metric` with that policy applied: ({policy: (w, v)}, {policy: {(w, v): validation
-    metrics}}). Ties go to the smaller dense weight, then to the ranker weight nearest 1. Never
-    looks at the test split."""
+    """For each seen-item policy, the (ranker, dense, co-visitation) weights of the fused order
+    with the best validation `metric` with that policy applied (over `weights`, default
+    `fusion_grid(model)`): ({policy: (w, v, u)}, {policy: {(w, v, u): validation metrics}}). Ties
+    go to the smaller co-visitation weight, then the smaller dense weight, then the ranker weight
+    nearest 1. Never looks at the test split."""
+    weights = fusion_grid(model) if weights is None else weights
     res = evaluate(model, data, "valid", options, dense=False, fusion_weights=weights, progress=progress)
     best, tables = {}, {}
     for policy in SEEN_POLICIES:
-        table = tables[policy] = {wv: res[f"{fused_name(*wv)}/{policy}"] for wv in weights}
-        best[policy] = max(weights, key=lambda wv: (table[wv][metric], -wv[1], -abs(wv[0] - 1.0)))
+        table = tables[policy] = {wvu: res[f"{fused_name(*wvu)}/{policy}"] for wvu in weights}
+        best[policy] = max(weights, key=lambda wvu: (table[wvu][metric], -wvu[2], -wvu[1], -abs(wvu[0] - 1.0)))
     return best, tables

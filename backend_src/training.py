@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from backend_src import distributed as dist
 from backend_src.config import ModelConfig, TrainConfig
-from backend_src.data.sequences import Batch, length_bucketed, train_batches
+from backend_src.data.sequences import Batch, length_bucketed, train_batches, training_events
 from backend_src.model.recommender import GenerativeRecommender
 from backend_src.model.semantic_ids import SemanticIdCodebook
 
@@ -79,6 +79,7 @@ def build_model(data, cfg: ModelConfig, embedding_dim: int = 64, seed: int = 0, 
     from the item embeddings of `item_embeddings` (semantic_ids.build_item_embeddings' sources).
     node_output: decoding steps 1..L-1 add a learned vector per prefix they make (the decoder's
     node output; step 0's prefixes are its codes, which the head already has a vector for).
+    With cfg.covisit_window, the co-visitation expert counts the same training events.
 
     Data parallel: rank 0 builds the semantic IDs and broadcasts them, so every rank trains on the
     same codes whatever the numerics of each process (the weights are then seeded alike)."""
@@ -93,7 +94,10 @@ def build_model(data, cfg: ModelConfig, embedding_dim: int = 64, seed: int = 0, 
     cfg.codebook_sizes = tuple(int(c) for c in codebook.codebook_sizes)
     cfg.node_output_sizes = (0,) + codebook.prefix_counts()[1:] if node_output else ()
     torch.manual_seed(seed)
-    return GenerativeRecommender(cfg, codebook, data.item_ids)
+    model = GenerativeRecommender(cfg, codebook, data.item_ids)
+    if model.covisitation is not None:
+        model.covisitation.fit(*training_events(data, end_offset))
+    return model
 
 
 def loss_names(tcfg: TrainConfig) -> list[str]:

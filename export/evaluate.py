@@ -4,12 +4,12 @@
         --out perf/results/quality_beauty_eval.json
 
 Orders reported: retrieval (beam log-probability), ranked (M-FALCON score over the beams),
-fused (the served order: retrieval log-probability + w * ranker logit + v * dense log-softmax,
-(w, v) = the checkpoint's weights for the seen-item policy) and dense (the auxiliary head's own top
-items, a diagnostic), each with already-seen items included and excluded. --tune-fusion first
-picks (w, v) per policy on the validation split and saves them into the checkpoint (export.train
-does this after training); --fusion-weight W|CHECKPOINT saves given weights instead (a final fit
-has no validation split left to pick them on).
+fused (the served order: retrieval log-probability + w * ranker logit + v * dense log-softmax
++ u * co-visitation score, (w, v, u) = the checkpoint's weights for the seen-item policy) and
+dense (the auxiliary head's own top items, a diagnostic), each with already-seen items included
+and excluded. --tune-fusion first picks (w, v, u) per policy on the validation split and saves
+them into the checkpoint (export.train does this after training); --fusion-weight W|CHECKPOINT
+saves given weights instead (a final fit has no validation split left to pick them on).
 """
 from __future__ import annotations
 
@@ -33,14 +33,15 @@ def result_rows(dataset: str, results: dict, mode: str) -> list[dict]:
     ]
 
 
-FusionWeights = tuple[tuple[float, float], tuple[float, float]]  # (w, v) seen included, (w, v) excluded
+FusionWeights = tuple[tuple[float, float, float], tuple[float, float, float]]  # (w, v, u) seen included, excluded
 
 
 def fusion_weights(value: str) -> FusionWeights:
-    """--fusion-weight: a number (the ranker weight w under both seen-item policies, no dense
-    weight) or a checkpoint whose weights to take -> ((w, v) seen included, (w, v) excluded)."""
+    """--fusion-weight: a number (the ranker weight w under both seen-item policies, no dense or
+    co-visitation weight) or a checkpoint whose weights to take -> ((w, v, u) seen included,
+    (w, v, u) excluded)."""
     try:
-        return (float(value), 0.0), (float(value), 0.0)
+        return (float(value), 0.0, 0.0), (float(value), 0.0, 0.0)
     except ValueError:
         if not Path(value).is_file():
             raise argparse.ArgumentTypeError(f"{value!r} is neither a number nor a checkpoint file") from None
@@ -55,15 +56,16 @@ def save_fusion_weights(model: GenerativeRecommender, checkpoint, weights: Fusio
 
 
 def tune_fusion(model: GenerativeRecommender, data, checkpoint, options: DecodeOptions) -> dict:
-    """Pick the fused order's (ranker, dense) weights on the validation split (NDCG@10), once per
-    seen-item policy, and save them into the checkpoint's config -> {policy: (w, v)}."""
+    """Pick the fused order's (ranker, dense, co-visitation) weights on the validation split
+    (NDCG@10), once per seen-item policy, and save them into the checkpoint's config ->
+    {policy: (w, v, u)}."""
     best, tables = tune_fusion_weights(model, data, options)
     for policy in SEEN_POLICIES:
-        for wv, m in tables[policy].items():
+        for wvu, m in tables[policy].items():
             scores = " ".join(f"{k}={m[k]:.4f}" for k in METRIC_NAMES)
-            print(f"  valid {policy} {fused_name(*wv)}: {scores}" + ("  <- chosen" if wv == best[policy] else ""))
+            print(f"  valid {policy} {fused_name(*wvu)}: {scores}" + ("  <- chosen" if wvu == best[policy] else ""))
     save_fusion_weights(model, checkpoint, (best["seen_included"], best["seen_excluded"]),
-                        rank_fusion_valid={p: {fused_name(*wv): m for wv, m in t.items()} for p, t in tables.items()})
+                        rank_fusion_valid={p: {fused_name(*wvu): m for wvu, m in t.items()} for p, t in tables.items()})
     return best
 
 
@@ -79,11 +81,11 @@ def main(argv=None):
     p.add_argument("--out")
     fusion = p.add_mutually_exclusive_group()
     fusion.add_argument("--tune-fusion", action="store_true",
-                        help="first choose the fused order's ranker and dense weights on the validation split, saved "
-                             "into the checkpoint")
+                        help="first choose the fused order's ranker, dense and co-visitation weights on the "
+                             "validation split, saved into the checkpoint")
     fusion.add_argument("--fusion-weight", type=fusion_weights, metavar="W|CHECKPOINT",
-                        help="first save these weights into the checkpoint: a ranker weight (no dense weight), or the "
-                             "checkpoint of the validation run that chose them (for a final fit)")
+                        help="first save these weights into the checkpoint: a ranker weight (no other weight), or "
+                             "the checkpoint of the validation run that chose them (for a final fit)")
     args = p.parse_args(argv)
     model = GenerativeRecommender.load(args.checkpoint)
     data = load_dataset(args.data)

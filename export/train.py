@@ -56,12 +56,13 @@ from export.evaluate import fusion_weights, result_rows, tune_fusion
 RECIPE = dict(
     d_model=96, layers=2, heads=2, dropout=0.3, codebook=(256, 256, 256),
     lr=2e-3, lr_schedule="cosine", weight_decay=0.1, dense_negatives=1024, ranker_negatives=32,
-    code_embeddings=3, node_output=True, valid_users=4000, epochs=12, minutes=30.0,
+    code_embeddings=3, node_output=True, covisit_window=3, valid_users=4000, epochs=12, minutes=30.0,
 )
 # The small models of the speed benchmarks, the tests and the demo: fixed sizes and the settings
 # their recorded results were trained with (perf/results/*.json "command"), not quality recipes.
 _SMALL = dict(layers=2, heads=2, dropout=0.2, lr=1e-3, lr_schedule="constant", weight_decay=0.0,
-              dense_negatives=0, ranker_negatives=64, code_embeddings=0, node_output=False, valid_users=2000,
+              dense_negatives=0, ranker_negatives=64, code_embeddings=0, node_output=False, covisit_window=0,
+              valid_users=2000,
               minutes=None, item_embeddings="auto")
 BENCHMARK_CONFIGS = {
     "synthetic": dict(_SMALL, d_model=48, max_len=64, codebook=(32, 32, 32), epochs=4),
@@ -133,6 +134,9 @@ def parse_args(argv=None):
     p.add_argument("--node-output", action=argparse.BooleanOptionalAction, default=None,
                    help="decoding steps after the first also score each code by a learned vector of the prefix it "
                         f"makes (recipe: {'on' if RECIPE['node_output'] else 'off'})")
+    p.add_argument("--covisit-window", type=int, metavar="EVENTS",
+                   help="the served order's co-visitation expert counts pairs of training events within this many "
+                        f"events of each other (recipe: {RECIPE['covisit_window']}; 0: no such expert)")
     p.add_argument("--shared-kv", action="store_true", help="PFA ablation: one K/V projection for all steps")
     p.add_argument("--ranker-weight", type=float, default=1.0)
     p.add_argument("--ranker-positions", type=int, default=1,
@@ -181,7 +185,7 @@ def parse_args(argv=None):
     p.add_argument("--refit", action="store_true",
                    help="train on validation targets too (only the test target held out); keep the last epoch")
     p.add_argument("--fusion-weight", type=fusion_weights, default=None, metavar="W|CHECKPOINT",
-                   help="the served order's weights (required with --refit): a ranker weight (no dense weight), or "
+                   help="the served order's weights (required with --refit): a ranker weight (no other weight), or "
                         "the checkpoint of the validation run that chose them")
     args = p.parse_args(argv)
     if args.refit and args.fusion_weight is None:
@@ -249,6 +253,7 @@ def run(args, device):
             ranker_hard_fraction=args.ranker_hard_fraction,
             dense_temperature=args.dense_temperature,
             code_embedding_levels=args.code_embeddings,
+            covisit_window=args.covisit_window,
         )
         model = build_model(data, cfg, seed=args.seed, end_offset=tcfg.end_offset, item_embeddings=args.item_embeddings,
                             balanced_codes=args.balanced_codes, quantizer=args.quantizer,

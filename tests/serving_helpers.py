@@ -11,7 +11,7 @@ def build_tiny_checkpoint(path, item_ids, max_history: int, seed: int) -> None:
     from backend_src.model.recommender import GenerativeRecommender
 
     model = GenerativeRecommender.untrained(item_ids, max_history, seed)
-    model.cfg.set_fusion_weights((1.0, 0.5), (1.0, 0.5))
+    model.cfg.set_fusion_weights((1.0, 0.5, 0.0), (1.0, 0.5, 0.0))
     model.save(path)
 
 

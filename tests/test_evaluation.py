@@ -17,7 +17,7 @@ DECODE = DecodeOptions(mode="pfa", beam_width=12, k=8)
 def small():
     data = generate_synthetic(num_users=60, num_items=80, seed=3)
     cfg = ModelConfig(num_items=data.num_items, d_model=16, num_layers=1, num_heads=2, max_seq_len=24,
-                      codebook_sizes=(6, 6, 6, 1), dropout=0.0)
+                      codebook_sizes=(6, 6, 6, 1), dropout=0.0, covisit_window=2)
     torch.manual_seed(0)
     return data, build_model(data, cfg, embedding_dim=16).eval()
 
@@ -31,30 +31,33 @@ def test_fuse_weights_the_ranker_and_keeps_empty_slots_empty():
     # the dense head's log-softmax is a third term, weighted on its own
     dense = torch.tensor([[-1.0, -4.0, -2.0]])
     assert torch.equal(fuse(rank, lp, 0.5, dense, 0.25), torch.tensor([[-2.25, -2.0, float("-inf")]]))
+    # and the co-visitation score a fourth
+    covisit = torch.tensor([[0.0, 1.0, 2.0]])
+    assert torch.equal(fuse(rank, lp, 0.5, dense, 0.25, covisit, 2.0), torch.tensor([[-2.25, 0.0, float("-inf")]]))
 
 
 def test_fused_order_uses_the_checkpoint_weights_of_each_seen_policy(small):
     data, model = small
-    model.cfg.set_fusion_weights((0.25, 0.0), (2.0, 0.5))
+    model.cfg.set_fusion_weights((0.25, 0.0, 1.0), (2.0, 0.5, 0.0))
     try:
-        res = evaluate(model, data, "test", DECODE, dense=False, fusion_weights=((0.25, 0.0), (2.0, 0.5), (2.0, 0.0)),
-                       progress=False)
+        res = evaluate(model, data, "test", DECODE, dense=False,
+                       fusion_weights=((0.25, 0.0, 1.0), (2.0, 0.5, 0.0), (2.0, 0.0, 0.0)), progress=False)
     finally:
-        model.cfg.set_fusion_weights((1.0, 0.0), (1.0, 0.0))
-    assert res["fused/seen_included"] == res["fused@0.25,0/seen_included"]
-    assert res["fused/seen_excluded"] == res["fused@2,0.5/seen_excluded"]
-    assert "fused@1,0/seen_included" not in res  # only the requested weights are added
+        model.cfg.set_fusion_weights((1.0, 0.0, 0.0), (1.0, 0.0, 0.0))
+    assert res["fused/seen_included"] == res["fused@0.25,0,1/seen_included"]
+    assert res["fused/seen_excluded"] == res["fused@2,0.5,0/seen_excluded"]
+    assert "fused@1,0,0/seen_included" not in res  # only the requested weights are added
 
 
 def test_one_fusion_weight_serves_both_policies_unless_a_second_is_set():
     from backend_src.config import ModelConfig
 
     cfg = ModelConfig(num_items=5, rank_fusion_weight=0.5)
-    # checkpoints from before the second policy's weights, and before the dense weight
-    assert cfg.fusion_weights(False) == cfg.fusion_weights(True) == (0.5, 0.0)
-    cfg.rank_fusion_weight_seen_excluded, cfg.dense_fusion_weight = 1.0, 0.25
-    assert (cfg.fusion_weights(False), cfg.fusion_weights(True)) == ((0.5, 0.25), (1.0, 0.25))
-    assert ModelConfig.from_dict(cfg.to_dict()).fusion_weights(True) == (1.0, 0.25)
+    # checkpoints from before the second policy's weights, and before the dense and co-visitation weights
+    assert cfg.fusion_weights(False) == cfg.fusion_weights(True) == (0.5, 0.0, 0.0)
+    cfg.rank_fusion_weight_seen_excluded, cfg.dense_fusion_weight, cfg.covisit_fusion_weight = 1.0, 0.25, 2.0
+    assert (cfg.fusion_weights(False), cfg.fusion_weights(True)) == ((0.5, 0.25, 2.0), (1.0, 0.25, 2.0))
+    assert ModelConfig.from_dict(cfg.to_dict()).fusion_weights(True) == (1.0, 0.25, 2.0)
 
 
 def test_recommend_ranks_by_the_weighted_sum(small):
@@ -69,15 +72,17 @@ def test_recommend_ranks_by_the_weighted_sum(small):
     dense = torch.log_softmax(model.dense_scores(cache.states[torch.arange(8), cache.lengths - 1]), -1)
     dense = dense.gather(1, beams.item_ids)
     seen = (beams.item_ids[:, :, None] == batch.items[:, None, :]).any(-1)
-    model.cfg.set_fusion_weights((0.3, 0.0), (2.0, 0.75))
+    covisit = model.covisit_scores(batch.items, beams.item_ids)
+    assert covisit.shape == rank.shape and (covisit > 0).any()  # the table scores some candidates
+    model.cfg.set_fusion_weights((0.3, 0.0, 0.0), (2.0, 0.75, 1.5))
     try:
         rec = model.recommend(cache, DECODE, top_k=5)
         # every beam, so that the list holds excluded (empty) slots too
         rec_excl = model.recommend(cache, DECODE, top_k=DECODE.beam_width, exclude_seen=True, history_items=batch.items)
     finally:
-        model.cfg.set_fusion_weights((1.0, 0.0), (1.0, 0.0))
-    for got, expected in ((rec, fuse(rank, beams.log_probs, 0.3)),
-                          (rec_excl, fuse(rank, beams.log_probs, 2.0, dense, 0.75).masked_fill(seen, float("-inf")))):
+        model.cfg.set_fusion_weights((1.0, 0.0, 0.0), (1.0, 0.0, 0.0))
+    excluded = fuse(rank, beams.log_probs, 2.0, dense, 0.75, covisit, 1.5).masked_fill(seen, float("-inf"))
+    for got, expected in ((rec, fuse(rank, beams.log_probs, 0.3)), (rec_excl, excluded)):
         top = torch.topk(expected, got.items.shape[1], dim=1)
         torch.testing.assert_close(got.rank_scores, top.values)
         assert torch.equal(got.items, torch.gather(beams.item_ids, 1, top.indices).masked_fill(torch.isinf(top.values), 0))
@@ -181,7 +186,7 @@ def test_served_order_of_a_padded_batch_equals_each_request_alone():
 
 def test_tuning_picks_the_best_validation_weights(small):
     data, model = small
-    weights = ((0.0, 0.0), (0.5, 0.0), (1.0, 0.5), (3.0, 1.0))
+    weights = ((0.0, 0.0, 0.0), (0.5, 0.0, 2.0), (1.0, 0.5, 0.0), (3.0, 1.0, 1.0))
     best, tables = tune_fusion_weights(model, data, DECODE, weights=weights, progress=False)
     assert set(best) == set(tables) == {"seen_included", "seen_excluded"}
     for policy, table in tables.items():  # each policy's weight is chosen with that policy applied

@@ -25,11 +25,12 @@ def real(tmp_path_factory, data_dir):
     require_tritonserver()
     data = load_dataset(str(data_dir / "ml-100k"), max_users=60)
     cfg = ModelConfig(num_items=data.num_items, d_model=16, num_layers=2, num_heads=2, max_seq_len=40,
-                      codebook_sizes=(8, 8, 8, 1), dropout=0.0)
+                      codebook_sizes=(8, 8, 8, 1), dropout=0.0, covisit_window=3)
     model = build_model(data, cfg, embedding_dim=16).eval()
     # the served fused order must take the checkpoint's weights of each seen-item policy: the
-    # ranker's, and the dense head's (off with seen items kept, on with them excluded)
-    model.cfg.set_fusion_weights((0.37, 0.0), (1.9, 0.6))
+    # ranker's, the dense head's (off with seen items kept, on with them excluded) and the
+    # co-visitation expert's (the table built from the training events, published with the ranker)
+    model.cfg.set_fusion_weights((0.37, 0.0, 1.5), (1.9, 0.6, 2.5))
     tmp = tmp_path_factory.mktemp("real")
     ckpt = tmp / "ml100k.pt"
     model.save(ckpt)
@@ -43,13 +44,20 @@ def test_ranker_is_served_from_onnx(real):
 
 
 def test_served_equals_offline_on_real_users(real):
-    from perf.served_eval import served_eval
+    from perf.served_eval import eval_histories, offline_topk, served_eval
 
     torch.manual_seed(0)
     res = served_eval(real["model"], real["data"], real["url"], 25, DECODE, top_k=10, concurrency=2)
     assert res["users"] == 25
     assert res["same_list_fraction"] == 1.0, res["different_users"]
     assert res["served"] == res["offline"]
+    model, batch = real["model"], eval_histories(real["model"], real["data"], 25)
+    offline = offline_topk(model, batch, DECODE, 10)
+    model.cfg.covisit_fusion_weight = 0.0
+    try:  # the co-visitation term moves these lists: the equality above saw it served
+        assert not torch.equal(offline, offline_topk(model, batch, DECODE, 10))
+    finally:
+        model.cfg.covisit_fusion_weight = 1.5
 
 
 def test_served_lists_without_seen_items_equal_offline(real):

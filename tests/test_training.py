@@ -278,6 +278,7 @@ def test_the_recipe_fills_what_no_flag_gives():
     recipe = train_cli.RECIPE
     assert (args.epochs, args.minutes, args.d_model, args.max_len) == (recipe["epochs"], recipe["minutes"], 96, 50)
     assert filled["lr_schedule"] == "cosine" and args.code_embeddings == 3 and args.node_output is True
+    assert args.covisit_window == 3  # the served order's co-visitation expert
     assert args.item_embeddings == "collaborative"  # no item text: co-occurrence
     args = train_cli.parse_args(["--data", "amazon-toys", "--no-node-output"])
     train_cli.resolve_settings(args, events([7] * 100))
@@ -294,7 +295,7 @@ def test_the_recipe_fills_what_no_flag_gives():
     train_cli.resolve_settings(args, with_text)
     assert (args.d_model, args.max_len, args.codebook, args.minutes) == (64, 512, (64, 64, 64), 28)
     assert args.item_embeddings == "auto" and args.code_embeddings == 0  # as its recorded results were trained
-    assert args.node_output is False
+    assert args.node_output is False and args.covisit_window == 0
     args = train_cli.parse_args(["--data", "amazon-beauty", "--minutes", "0"])
     train_cli.resolve_settings(args, events([7] * 100))
     assert args.minutes is None  # no time cap

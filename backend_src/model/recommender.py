@@ -18,6 +18,7 @@ from torch import nn
 
 from backend_src.config import RANKER_MICROBATCH, DecodeOptions, ModelConfig
 from backend_src.decoding.beam_search import BeamResult, generate
+from backend_src.model.covisitation import CoVisitation
 from backend_src.model.decoder import SemanticIdDecoder
 from backend_src.model.hstu import HistoryCache, HSTUEncoder
 from backend_src.model.ranker import MFalconRanker
@@ -26,23 +27,26 @@ from backend_src.model.semantic_ids import SemanticIdCodebook
 CHECKPOINT_FORMAT = 1
 # What each served stage runs; its artifact (save_stage) holds these parts only. "vocabulary" is
 # the raw item ids (the encoder reads them in, the ranker writes them out).
-MODEL_PARTS = ("backbone", "decoder", "ranker", "codebook", "vocabulary")
+MODEL_PARTS = ("backbone", "decoder", "ranker", "covisitation", "codebook", "vocabulary")
 STAGE_PARTS = {
     "encoder": ("backbone", "vocabulary"),
     "decoder": ("decoder", "codebook"),
-    "ranker": ("backbone", "ranker", "vocabulary"),
+    "ranker": ("backbone", "ranker", "covisitation", "vocabulary"),
 }
 
 
 def fuse(rank_scores: torch.Tensor, log_probs: torch.Tensor, weight, dense_log_probs: torch.Tensor | None = None,
-         dense_weight=0.0) -> torch.Tensor:
+         dense_weight=0.0, covisit_scores: torch.Tensor | None = None, covisit_weight=0.0) -> torch.Tensor:
     """The fused order's score, retrieval log-probability + weight * M-FALCON logit + dense_weight
-    * the dense head's log-softmax (a product of the experts); each weight is a number or
-    broadcasts against the scores (e.g. [B, 1], one per request). A candidate the ranker scores
-    -inf (an empty slot) stays -inf (also where a zero weight made 0 * -inf a NaN)."""
+    * the dense head's log-softmax + covisit_weight * the co-visitation score (a product of the
+    experts); each weight is a number or broadcasts against the scores (e.g. [B, 1], one per
+    request). A candidate the ranker scores -inf (an empty slot) stays -inf (also where a zero
+    weight made 0 * -inf a NaN)."""
     scores = log_probs + weight * rank_scores
     if dense_log_probs is not None:
         scores = scores + dense_weight * dense_log_probs
+    if covisit_scores is not None:
+        scores = scores + covisit_weight * covisit_scores
     return scores.masked_fill(rank_scores == float("-inf"), float("-inf"))
 
 
@@ -69,13 +73,16 @@ def served_order(
     fusion_weight=1.0,  # a number, or [B, 1]: one per row
     dense_log_probs: torch.Tensor | None = None,  # [B, W] the dense head's log-softmax at the candidates
     dense_weight=0.0,  # a number, or [B, 1]
+    covisit_scores: torch.Tensor | None = None,  # [B, W] the co-visitation score of the candidates
+    covisit_weight=0.0,  # a number, or [B, 1]
     rank_by: str = "fused",
     exclude_seen=False,  # a bool, or [B] bool: one per row
     top_k: int = 10,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The served order, the one definition the model, the server and the evaluation share.
 
-    score = log_prob + fusion_weight * rank_score [+ dense_weight * dense_log_prob] ("fused", `fuse`)
+    score = log_prob + fusion_weight * rank_score [+ dense_weight * dense_log_prob] [+ covisit_weight *
+    covisit_score] ("fused", `fuse`)
     or rank_score ("ranker"). A candidate is dropped (score -inf) when it is empty (item 0), has no
     finite score, or, with exclude_seen, is in its row's history. The min(top_k, W) best come
     first; ties keep the candidates' order (the beam order). A dropped or missing candidate leaves an empty slot: item 0, score and
@@ -85,7 +92,7 @@ def served_order(
     columns of `candidates` the slots came from (to gather e.g. semantic IDs; mask empty slots
     with items == 0)."""
     if rank_by == "fused":
-        scores = fuse(rank_scores, log_probs, fusion_weight, dense_log_probs, dense_weight)
+        scores = fuse(rank_scores, log_probs, fusion_weight, dense_log_probs, dense_weight, covisit_scores, covisit_weight)
     elif rank_by == "ranker":
         scores = rank_scores
     else:
@@ -129,6 +136,9 @@ class GenerativeRecommender(nn.Module):
             self.backbone.set_item_codes(codebook.codes)
         self.decoder = SemanticIdDecoder(cfg) if "decoder" in parts else None
         self.ranker = MFalconRanker(self.backbone, cfg) if "ranker" in parts else None
+        # the table is filled from the training events (training.build_model) or a checkpoint
+        self.covisitation = (CoVisitation(cfg.num_items, cfg.covisit_window)
+                             if "covisitation" in parts and cfg.covisit_window else None)
         self.codebook = codebook if "codebook" in parts else None
         if "vocabulary" not in parts:
             item_ids = [None]
@@ -269,6 +279,11 @@ class GenerativeRecommender(nn.Module):
         the dense head's log-softmax over all items at the candidates (-inf at item 0)."""
         return log_softmax_at(self.dense_scores(user_states), candidates)
 
+    def covisit_scores(self, history_items: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor | None:
+        """history_items [B, N] (0 after each row's events), candidates [B, W] -> [B, W] the
+        co-visitation expert's scores, or None where the model has none."""
+        return None if self.covisitation is None else self.covisitation.scores(history_items, candidates)
+
     def rank(self, cache: HistoryCache, candidates: torch.Tensor, microbatch_size: int = RANKER_MICROBATCH) -> torch.Tensor:
         return self.ranker.score(cache, candidates, microbatch_size)
 
@@ -280,20 +295,26 @@ class GenerativeRecommender(nn.Module):
         top_k: int = 10,
         microbatch_size: int = RANKER_MICROBATCH,
         exclude_seen: bool = False,
-        history_items: torch.Tensor | None = None,  # [B, N] needed when exclude_seen
+        history_items: torch.Tensor | None = None,  # [B, N] needed when exclude_seen or u != 0
         rank_by: str = "fused",
     ) -> Recommendations:
         """Retrieve beam_width candidates by semantic-ID beam search, rank them with M-FALCON
         against the same cached history, return the top_k in the served order (`served_order`:
         "ranker": the M-FALCON logit; "fused": retrieval log-probability + w * logit + v * dense
-        log-softmax, (w, v) = cfg.fusion_weights(exclude_seen))."""
+        log-softmax + u * co-visitation score, (w, v, u) = cfg.fusion_weights(exclude_seen))."""
         beams = self.retrieve(cache, options)
         rank_scores = self.rank(cache, beams.item_ids, microbatch_size)  # [B, W]; -inf for empty beams
-        w, v = self.cfg.fusion_weights(exclude_seen)
+        w, v, u = self.cfg.fusion_weights(exclude_seen)
         dense = self.dense_log_probs(cache.last_states(), beams.item_ids) if v else None
+        covisit = None
+        if u and rank_by == "fused":
+            if history_items is None:
+                raise ValueError("the co-visitation expert needs history_items")
+            covisit = self.covisit_scores(history_items, beams.item_ids)
         items, scores, log_probs, top = served_order(
             rank_scores, beams.log_probs, beams.item_ids, history_items, fusion_weight=w, dense_log_probs=dense,
-            dense_weight=v, rank_by=rank_by, exclude_seen=exclude_seen, top_k=top_k,
+            dense_weight=v, covisit_scores=covisit, covisit_weight=u, rank_by=rank_by, exclude_seen=exclude_seen,
+            top_k=top_k,
         )
         codes = torch.gather(beams.codes, 1, top[:, :, None].expand(-1, -1, beams.codes.shape[-1]))
         return Recommendations(

@@ -142,22 +142,26 @@ class TritonPythonModel:
         log_probs = pad([torch.from_numpy(r.log_probs).float() for r in reqs], batch_first=True, padding_value=float("-inf"))
         codes = pad([torch.from_numpy(r.codes) for r in reqs], batch_first=True, padding_value=-1)  # [B, M, C]
         exclude = torch.tensor([r.exclude_seen for r in reqs])  # [B]
-        history = None
-        if bool(exclude.any()):
-            history = pad([torch.from_numpy(r.history_items) for r in reqs], batch_first=True)  # [B, n], 0 = padding
         # each request takes the fusion weights chosen on validation under its seen-item policy
         cfg = self.model.cfg
-        (w_kept, v_kept), (w_excl, v_excl) = cfg.fusion_weights(False), cfg.fusion_weights(True)
-        weight = torch.where(exclude, w_excl, w_kept)[:, None]
-        dense_weight = torch.where(exclude, v_excl, v_kept)[:, None]
-        dense = None
-        if self.rank_by == "fused" and bool((dense_weight != 0).any()):
+        kept, excluded = cfg.fusion_weights(False), cfg.fusion_weights(True)
+        weight, dense_weight, covisit_weight = (torch.where(exclude, e, k)[:, None] for k, e in zip(kept, excluded))
+        fused = self.rank_by == "fused"
+        use_covisit = fused and bool((covisit_weight != 0).any())
+        history = None
+        if bool(exclude.any()) or use_covisit:
+            history = pad([torch.from_numpy(r.history_items) for r in reqs], batch_first=True)  # [B, n], 0 = padding
+        dense = covisit = None
+        if fused and bool((dense_weight != 0).any()):
             user_states = torch.from_numpy(np.stack([r.user_state for r in reqs])).to(self.device)
             with torch.inference_mode():
                 dense = self.model.dense_log_probs(user_states, cands.to(self.device)).cpu()
+        if use_covisit:
+            covisit = self.model.covisit_scores(history, cands).cpu()
         items, scores, log_probs, top = self.served_order(
             scores, log_probs, cands, history, fusion_weight=weight, dense_log_probs=dense, dense_weight=dense_weight,
-            rank_by=self.rank_by, exclude_seen=exclude, top_k=max(r.top_k for r in reqs),
+            covisit_scores=covisit, covisit_weight=covisit_weight, rank_by=self.rank_by, exclude_seen=exclude,
+            top_k=max(r.top_k for r in reqs),
         )
         codes = torch.gather(codes, 1, top[:, :, None].expand(-1, -1, codes.shape[-1]))
         return items, scores, log_probs, codes.masked_fill((items == 0)[:, :, None], -1)

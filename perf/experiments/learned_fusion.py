@@ -1,15 +1,15 @@
 """A learned served order: would a linear scorer over more of what the model knows about each of the
 beam's candidates order them better than the served order (retrieval log-probability + w * ranker
-logit + v * dense log-softmax)?
+logit + v * dense log-softmax + u * co-visitation score)?
 
 On the validation split of all users of a validation-run model (its training never saw the split):
-every candidate of the beam (PFA, beam 100) gets eight features: the log-probability of each of its
+every candidate of the beam (PFA, beam 100) gets nine features: the log-probability of each of its
 semantic ID's codes (the decoder run along the ID, as `multi_source_candidates` does; their sum is
-the beam's score), the M-FALCON logit, the dense head's log-softmax, log(1 + the item's count in the
-training events), and whether the user has already seen it. A linear scorer, started at the served
-order's weights (1 per code, the checkpoint's w for the logit and v for the dense head, 0 for the
-rest), is fit by a softmax
-cross-entropy over each user's candidates (users whose target is among them), on one half of the users,
+the beam's score), the M-FALCON logit, the dense head's log-softmax, the co-visitation score (0 for
+a model without that expert), log(1 + the item's count in the training events), and whether the user
+has already seen it. A linear scorer, started at the served order's weights (1 per code, the
+checkpoint's w, v and u for the logit, the dense head and co-visitation, 0 for the rest), is fit by a
+softmax cross-entropy over each user's candidates (users whose target is among them), on one half of the users,
 and measured on the other half, and the other way round (two folds, split at random with a fixed seed),
 against the served order on the same users, once per seen-item policy.
 
@@ -37,7 +37,7 @@ from perf.common import RESULTS_DIR, host_load, log, save_result
 from perf.experiments.multi_source_candidates import NEG_INF, collect, metrics
 
 FEATURES = ("log_prob_code0", "log_prob_code1", "log_prob_code2", "log_prob_code3", "ranker_logit",
-            "dense_log_softmax", "log_popularity", "seen")
+            "dense_log_softmax", "covisit", "log_popularity", "seen")
 RETRIEVAL_FEATURES = ("log_prob_code0", "log_prob_code1", "log_prob_code2", "log_prob_code3", "log_popularity")
 
 
@@ -47,8 +47,8 @@ def features(model, data, dense_top=0, users=None):
     p = collect(model, data, dense_top, users)
     log_popularity = torch.from_numpy(np.log1p(item_popularity(data, end_offset=2))).float()
     seen = seen_in_history(p["union"], p["history"]).float()
-    x = torch.cat([p["levels"], p["rank"][..., None], p["dense"][..., None], log_popularity[p["union"]][..., None],
-                   seen[..., None]], -1)
+    x = torch.cat([p["levels"], p["rank"][..., None], p["dense"][..., None], p["covisit"][..., None],
+                   log_popularity[p["union"]][..., None], seen[..., None]], -1)
     return {"union": p["union"], "features": x, "history": p["history"], "target": p["target"]}
 
 
@@ -125,8 +125,8 @@ def main():
         if args.retrieval_only:
             w0 = torch.tensor([1.0, 1.0, 1.0, 1.0, 0.0])  # the beam's score: the sum of its codes' log-probabilities
         else:
-            w_rank, w_dense = model.cfg.fusion_weights(exclude)  # the served order's
-            w0 = torch.tensor([1.0, 1.0, 1.0, 1.0, w_rank, w_dense, 0.0, 0.0])
+            w_rank, w_dense, w_covisit = model.cfg.fusion_weights(exclude)  # the served order's
+            w0 = torch.tensor([1.0, 1.0, 1.0, 1.0, w_rank, w_dense, w_covisit, 0.0, 0.0])
         r = two_folds(p, w0, exclude, names, reference)
         rows.append(dict(dataset=args.data, checkpoint=args.checkpoint, seen=SEEN_POLICIES[exclude], users=len(p["target"]),
                          dense_top=args.dense_top, features=list(names), **r))

@@ -66,7 +66,7 @@ def collect(model, data, dense_top, users=None):
     ones; 0 = a duplicate) with each one's three scores (and its retrieval log-probability code by
     code, "levels"), the history and the target."""
     opts = DecodeOptions(mode="pfa", beam_width=100, k=256)
-    parts = {k: [] for k in ("union", "log_prob", "levels", "rank", "dense", "history", "target", "beam_gap")}
+    parts = {k: [] for k in ("union", "log_prob", "levels", "rank", "dense", "covisit", "history", "target", "beam_gap")}
     for b in eval_batches(data, split="valid", batch_size=128, max_len=model.cfg.max_seq_len, users=users):
         cache = model.encode(b.items, b.actions, b.timestamps, b.lengths)
         beams = model.retrieve(cache, opts)
@@ -80,8 +80,10 @@ def collect(model, data, dense_top, users=None):
         parts["beam_gap"].append((log_prob[:, :beams.log_probs.shape[1]][live] - beams.log_probs[live]).abs().max()[None])
         history = torch.zeros(len(b.lengths), model.cfg.max_seq_len, dtype=torch.long)
         history[:, :b.items.shape[1]] = b.items
+        covisit = model.covisit_scores(history, union)
         for k, v in (("union", union), ("log_prob", log_prob), ("levels", levels), ("rank", model.rank(cache, union)),
-                     ("dense", dense.gather(1, union)), ("history", history), ("target", b.target_items)):
+                     ("dense", dense.gather(1, union)), ("history", history), ("target", b.target_items),
+                     ("covisit", torch.zeros(union.shape) if covisit is None else covisit)):
             parts[k].append(v)
     return {k: torch.cat(v) for k, v in parts.items()}
 
@@ -102,13 +104,15 @@ def compare(p, beam_width, weights):
            "candidates_union_mean": float((p["union"] > 0).sum(1).float().mean())}
     for exclude in (False, True):
         policy = SEEN_POLICIES[exclude]
-        w, v = weights[exclude]
-        base = fuse(p["rank"][:, beam], p["log_prob"][:, beam], w, p["dense"][:, beam], v)
-        out[f"beam_fused/{policy}"] = dict(metrics(p, base, p["union"][:, beam], exclude), w_rank=w, w_dense=v)
+        w, v, u = weights[exclude]
+        base = fuse(p["rank"][:, beam], p["log_prob"][:, beam], w, p["dense"][:, beam], v, p["covisit"][:, beam], u)
+        out[f"beam_fused/{policy}"] = dict(metrics(p, base, p["union"][:, beam], exclude), w_rank=w, w_dense=v,
+                                           w_covisit=u)
         for name, cols in (("beam_dense_best", beam), ("union_best", slice(None))):
             grid = []
             for wr, wd, wl in itertools.product(*GRID.values()):
-                s = wl * p["log_prob"][:, cols] + wr * p["rank"][:, cols] + wd * p["dense"][:, cols]
+                s = (wl * p["log_prob"][:, cols] + wr * p["rank"][:, cols] + wd * p["dense"][:, cols]
+                     + u * p["covisit"][:, cols])  # the co-visitation expert at the served weight
                 s = s.masked_fill((p["union"][:, cols] == 0) | (p["rank"][:, cols] == NEG_INF), NEG_INF)
                 grid.append(dict(metrics(p, s, p["union"][:, cols], exclude), w_rank=wr, w_dense=wd, w_retrieval=wl))
             out[f"{name}/{policy}"] = max(grid, key=lambda r: r["ndcg@10"])
