@@ -114,12 +114,16 @@ train-scientific: setup
 		$(PY) -m export.baselines --data amazon-scientific --model sasrec --epochs 200 --minutes 28 --seed $$s \
 			--out perf/results/baseline_sasrec_scientific$$sfx.json || exit 1; \
 	done
+	$(PY) -m export.baselines --data amazon-scientific --model covisitation --threads 1 \
+		--out perf/results/baseline_covisitation_scientific.json
 	$(PY) -m perf.experiments.quality_seeds
 
-## baselines-beauty: popularity; SASRec, its epoch chosen on validation; then its final fit for that many epochs
+## baselines-beauty: popularity; co-visitation counts; SASRec, its epoch chosen on validation; then its final fit for that many epochs
 SASREC_BEAUTY := perf/results/baseline_sasrec_beauty_28min.json
 baselines-beauty: setup
 	$(PY) -m export.baselines --data amazon-beauty --model popularity --threads 1 --out perf/results/baseline_popularity_beauty.json
+	$(PY) -m export.baselines --data amazon-beauty --model covisitation --refit --threads 1 \
+		--out perf/results/baseline_covisitation_beauty.json
 	$(PY) -m export.baselines --data amazon-beauty --model sasrec --epochs 200 --minutes 28 --out $(SASREC_BEAUTY)
 	$(PY) -m export.baselines --data amazon-beauty --model sasrec --refit --minutes 60 \
 		--epochs $$($(PY) -c "import json; print(json.load(open('$(SASREC_BEAUTY)'))['details']['best_epoch'])") \

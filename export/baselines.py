@@ -1,4 +1,4 @@
-"""Reference baselines on a leave-one-out split: popularity and a plain SASRec.
+"""Reference baselines on a leave-one-out split: popularity, co-visitation and a plain SASRec.
 
 Trains on every user's training sequence (all but the last two events), picks the best SASRec
 checkpoint by validation NDCG@10 (target = second-last event), then ranks the FULL catalog for
@@ -8,6 +8,10 @@ best epoch) and keeps the last, the final fit that `export.train --refit` makes 
 
     python -m export.baselines --data amazon-beauty --model sasrec --minutes 15 \
         --out perf/results/baseline_sasrec_beauty_28min.json
+
+Co-visitation ranks every item by the served order's fourth expert alone (model/covisitation.py:
+how often it followed the user's last `--covisit-window` items in the training events), popularity
+breaking its ties: how much of the served order a count table gives by itself.
 """
 from __future__ import annotations
 
@@ -24,7 +28,9 @@ from tqdm import tqdm
 from backend_src.data import (
     SequenceData, eval_batches, item_popularity, length_bucketed, load_dataset, target_rows, train_batches,
 )
+from backend_src.data.sequences import training_events
 from backend_src.metrics import MetricAccumulator, topk_full_catalog
+from backend_src.model.covisitation import CoVisitation
 from backend_src.model.sasrec import SASRec, SASRecConfig
 from backend_src.results import write_result
 
@@ -79,6 +85,29 @@ def run_popularity(data: SequenceData, args) -> tuple[dict, dict]:
 
     valid = evaluate(scorer(train_counts), data, "valid", args.max_len, args.eval_batch_size, desc="valid")
     test = evaluate(scorer(test_counts), data, "test", args.max_len, args.eval_batch_size,
+                    seen=seen_items(data, "test"), desc="test")
+    info["valid"] = valid["all"]
+    return test, info
+
+
+def run_covisitation(data: SequenceData, args) -> tuple[dict, dict]:
+    """Scores = the co-visitation score of every item after the history, + at most 1e-4 by
+    popularity so that it only breaks ties. Pairs and popularity are counted over the training
+    events (all but the last two of each user), with --refit over the validation targets too."""
+    t0 = time.time()
+    counted = {"valid": 2, "test": 1 if args.refit else 2}  # events held out of the counts, per split
+    tables = {split: CoVisitation(data.num_items, args.covisit_window).fit(*training_events(data, end_offset))
+              for split, end_offset in counted.items()}
+    info = {"train_seconds": time.time() - t0, "pairs": tables["test"].pairs}
+
+    def scorer(split):
+        pop = np.log1p(item_popularity(data, end_offset=counted[split]))
+        tie = torch.from_numpy(1e-4 * pop / max(pop.max(), 1e-9)).float()
+        every = torch.arange(data.num_items + 1)[None]
+        return lambda batch: tables[split].scores(batch.items, every.expand(len(batch), -1)) + tie
+
+    valid = evaluate(scorer("valid"), data, "valid", args.max_len, args.eval_batch_size, desc="valid")
+    test = evaluate(scorer("test"), data, "test", args.max_len, args.eval_batch_size,
                     seen=seen_items(data, "test"), desc="test")
     info["valid"] = valid["all"]
     return test, info
@@ -159,10 +188,14 @@ def run_sasrec(data: SequenceData, args) -> tuple[dict, dict]:
     return test, info
 
 
+RUNS = {"sasrec": run_sasrec, "popularity": run_popularity, "covisitation": run_covisitation}
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--data", default="amazon-beauty", help="data set name or path")
-    p.add_argument("--model", choices=("sasrec", "popularity"), default="sasrec")
+    p.add_argument("--model", choices=tuple(RUNS), default="sasrec")
+    p.add_argument("--covisit-window", type=int, default=3, help="co-visitation: pairs within this many events")
     p.add_argument("--epochs", type=int, default=200)
     p.add_argument("--minutes", type=float, default=15.0, help="training time limit")
     p.add_argument("--out", default=None, help="JSON results file")
@@ -183,7 +216,8 @@ def parse_args(argv=None):
     p.add_argument("--patience", type=int, default=10, help="validations without improvement before stopping")
     p.add_argument("--save", default=None, help="optional path for the best SASRec checkpoint")
     p.add_argument("--refit", action="store_true",
-                   help="train on validation targets too for exactly --epochs, keep the last epoch")
+                   help="train (co-visitation: count) on validation targets too; SASRec for exactly --epochs, "
+                        "keeping the last epoch")
     return p.parse_args(argv)
 
 
@@ -191,7 +225,7 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     data = load_dataset(args.data)
-    test, info = (run_sasrec if args.model == "sasrec" else run_popularity)(data, args)
+    test, info = RUNS[args.model](data, args)
     rows = []
     for name, seen_excluded in (("all", False), ("seen_excluded", True)):
         m = test[name]

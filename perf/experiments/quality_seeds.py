@@ -1,5 +1,6 @@
 """Quality over three seeds, per data set: our model (beam order and served order) against SASRec fit the
-same way, beside published anchors, from the result files in perf/results. Run from the repository root:
+same way, beside published anchors and the co-visitation counts alone (`export.baselines --model
+covisitation`, deterministic: one run), from the result files in perf/results. Run from the repository root:
     python -m perf.experiments.quality_seeds
 writes perf/results/<data>_seeds.md (a table per data set) and perf/results/quality_summary.json (one row per
 data set, order and seen-item policy: the means over the seeds). `--data D --variant STEM` prints the same table
@@ -21,6 +22,7 @@ ORDERS = {  # summary order -> (row label, model name in the file)
     "served": ("ours: after ranking, fused (served order)", "hstu-fused"),
     "sasrec": ("SASRec, our pipeline, full softmax", "sasrec"),
 }
+COVISITATION_LABEL = "co-visitation counts alone, every item"
 DATASETS = {  # data set -> (what was fit, our result file stem, SASRec's, anchors by seen_excluded)
     "amazon-beauty": (
         "final fit", "quality_beauty_refit_recipe", "baseline_sasrec_beauty_refit",
@@ -42,6 +44,13 @@ def values(stem: str, model: str, excluded: bool) -> list[tuple]:
     return out
 
 
+def covisitation(data: str, excluded: bool) -> tuple:
+    """The co-visitation baseline's METRICS (baseline_covisitation_<data>.json)."""
+    rows = json.loads((RESULTS_DIR / f"baseline_covisitation_{data.split('-')[-1]}.json").read_text())["rows"]
+    (row,) = [r for r in rows if r["seen_excluded"] == excluded]
+    return tuple(row[m] for m in METRICS)
+
+
 def cell(v):
     return "" if v is None else f"{v:.4f}"
 
@@ -56,7 +65,7 @@ def summarize(data: str, variant: str | None = None) -> tuple[str, list[dict]]:
     means, rows = {}, []
     for excluded in (False, True):
         policy = "excluded" if excluded else "not excluded"
-        for label, vals in anchors[excluded].items():
+        for label, vals in {**anchors[excluded], COVISITATION_LABEL: covisitation(data, excluded)}.items():
             lines.append(f"| {label} | {policy} | " + " | ".join(cell(v) for v in vals) + " |")
         for order, (label, model) in ORDERS.items():
             cols = list(zip(*values(sasrec if order == "sasrec" else ours, model, excluded)))
@@ -67,12 +76,14 @@ def summarize(data: str, variant: str | None = None) -> tuple[str, list[dict]]:
                          **dict(zip(("recall5", "ndcg5", "recall10", "ndcg10"), means[order, excluded])),
                          "seeds": len(SEEDS), "fit": fit})
     lines.append("")
-    for order in ("retrieval", "served"):
+    for order, against, name in (("retrieval", "sasrec", "SASRec"), ("served", "sasrec", "SASRec"),
+                                 ("served", "covisitation", "the co-visitation counts alone")):
         for excluded in (False, True):
+            base = covisitation(data, excluded) if against == "covisitation" else means[against, excluded]
             diff = [f"{round(100 * (a / b - 1), 1) + 0.0:+.1f}%"  # + 0.0: no "-0.0"
-                    for a, b in zip(means[order, excluded], means["sasrec", excluded])]
+                    for a, b in zip(means[order, excluded], base)]
             lines.append(f"- {ORDERS[order][0]}, seen items {'excluded' if excluded else 'not excluded'}, "
-                         "against SASRec: " + " / ".join(diff))
+                         f"against {name}: " + " / ".join(diff))
     return "\n".join(lines) + "\n", rows
 
 
