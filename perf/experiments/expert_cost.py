@@ -34,6 +34,8 @@ def main():
     torch.set_num_threads(1)
     load_start = host_load()
     model = GenerativeRecommender.load(args.checkpoint).eval()
+    if model.covisitation is None:
+        raise SystemExit(f"{args.checkpoint} has no co-visitation table (trained with --covisit-window 0)")
     data = load_dataset(args.data)
     # the longest histories: the ranker's work grows with them, the dense head's does not
     users = np.sort(np.argsort(-data.lengths, kind="stable")[: args.users])
@@ -41,8 +43,6 @@ def main():
     with torch.inference_mode():
         cache = model.encode(batch.items, batch.actions, batch.timestamps, batch.lengths)
         beams = model.retrieve(cache, DecodeOptions(mode="pfa", beam_width=100, k=256))
-    if model.covisitation is None:
-        raise SystemExit(f"{args.checkpoint} has no co-visitation table (trained with --covisit-window 0)")
     requests = [(cache.select([b]), beams.item_ids[b : b + 1], batch.items[b : b + 1, : int(batch.lengths[b])])
                 for b in range(len(batch.lengths))]
 

@@ -65,7 +65,8 @@ def summarize(data: str, variant: str | None = None) -> tuple[str, list[dict]]:
     means, rows = {}, []
     for excluded in (False, True):
         policy = "excluded" if excluded else "not excluded"
-        for label, vals in {**anchors[excluded], COVISITATION_LABEL: covisitation(data, excluded)}.items():
+        means["covisitation", excluded] = covisitation(data, excluded)
+        for label, vals in {**anchors[excluded], COVISITATION_LABEL: means["covisitation", excluded]}.items():
             lines.append(f"| {label} | {policy} | " + " | ".join(cell(v) for v in vals) + " |")
         for order, (label, model) in ORDERS.items():
             cols = list(zip(*values(sasrec if order == "sasrec" else ours, model, excluded)))
@@ -79,9 +80,8 @@ def summarize(data: str, variant: str | None = None) -> tuple[str, list[dict]]:
     for order, against, name in (("retrieval", "sasrec", "SASRec"), ("served", "sasrec", "SASRec"),
                                  ("served", "covisitation", "the co-visitation counts alone")):
         for excluded in (False, True):
-            base = covisitation(data, excluded) if against == "covisitation" else means[against, excluded]
             diff = [f"{round(100 * (a / b - 1), 1) + 0.0:+.1f}%"  # + 0.0: no "-0.0"
-                    for a, b in zip(means[order, excluded], base)]
+                    for a, b in zip(means[order, excluded], means[against, excluded])]
             lines.append(f"- {ORDERS[order][0]}, seen items {'excluded' if excluded else 'not excluded'}, "
                          f"against {name}: " + " / ".join(diff))
     return "\n".join(lines) + "\n", rows
