@@ -158,8 +158,8 @@ def check_continues(timestamps: np.ndarray, session_last_timestamp: int | None) 
 def check_timestamps(timestamps: np.ndarray, name: str, what: str = "event") -> None:
     """Range and time order of a 1-D timestamp array (oldest first). Neighbours are compared,
     never subtracted: a difference of two int64 timestamps can overflow."""
-    bad = np.flatnonzero((timestamps < 0) | (timestamps > MAX_TIMESTAMP))
-    if bad.size:
+    if timestamps.size and not (timestamps.min() >= 0 and timestamps.max() <= MAX_TIMESTAMP):
+        bad = np.flatnonzero((timestamps < 0) | (timestamps > MAX_TIMESTAMP))
         raise RequestError(
             f"{name} out of range at positions {_fmt(bad.tolist())} (values {_fmt(timestamps[bad].tolist())}): "
             f"timestamps are seconds in [0, {MAX_TIMESTAMP}]"
@@ -185,7 +185,11 @@ def unknown_items_error(exc: KeyError) -> RequestError:
 # Each function takes the request's arrays as read (batch dim 1 first), after read_input has
 # checked every tensor's own rank and fixed dims; it checks that the inputs agree with each
 # other and that their values are ones the model can take.
+# The checks below are on every request's path: each tests the common, valid case with a reduction
+# or two first and only finds the offending positions for the message once one is known to exist.
 def _check_indices(values: np.ndarray, name: str, num_items: int, zero: str) -> None:
+    if values.size == 0 or (values.min() >= 0 and values.max() <= num_items):
+        return
     bad = np.flatnonzero((values < 0) | (values > num_items))
     if bad.size:
         raise RequestError(
@@ -195,14 +199,15 @@ def _check_indices(values: np.ndarray, name: str, num_items: int, zero: str) -> 
 
 
 def _check_finite(x: np.ndarray, name: str) -> None:
+    if np.isfinite(x).all():  # one pass and one reduction in the common case
+        return
     bad = ~np.isfinite(x)
-    if bad.any():
-        # the first offending index only: argwhere on a large, all-NaN tensor would be huge
-        first = tuple(int(i) for i in np.unravel_index(int(bad.argmax()), x.shape))
-        raise RequestError(
-            f"{name} holds {int(np.count_nonzero(bad))} non-finite value(s) (NaN or Inf), the first at index "
-            f"{list(first)}: {float(x[first])}"
-        )
+    # the first offending index only: argwhere on a large, all-NaN tensor would be huge
+    first = tuple(int(i) for i in np.unravel_index(int(bad.argmax()), x.shape))
+    raise RequestError(
+        f"{name} holds {int(np.count_nonzero(bad))} non-finite value(s) (NaN or Inf), the first at index "
+        f"{list(first)}: {float(x[first])}"
+    )
 
 
 def check_decoder_inputs(states: np.ndarray, max_history: int) -> None:
@@ -267,8 +272,8 @@ def check_ranker_inputs(
     cands = candidates[0]
     _check_indices(cands, "CANDIDATE_ITEMS", num_items, "empty beam")
     lp = log_probs[0]
-    bad = np.flatnonzero(np.isnan(lp) | (lp == np.inf))
-    if bad.size:
+    bad = () if lp.max() < np.inf else np.flatnonzero(np.isnan(lp) | (lp == np.inf))  # a NaN fails the test too
+    if len(bad):
         raise RequestError(
             f"CANDIDATE_LOG_PROBS holds NaN or +inf at positions {_fmt(bad.tolist())} "
             f"(values {_fmt(lp[bad].tolist())}): log-probabilities are <= 0, -inf for an empty beam"
@@ -276,8 +281,8 @@ def check_ranker_inputs(
     c = codes[0]
     sizes = np.asarray(codebook_sizes, dtype=np.int64)
     # each level's code is below that level's codebook size; an empty beam's codes may be -1
-    ok = ((c >= 0) & (c < sizes)) | ((c == -1) & (cands == 0)[:, None])
-    if not ok.all():
+    ok = None if c.min() >= 0 and (c < sizes).all() else ((c >= 0) & (c < sizes)) | ((c == -1) & (cands == 0)[:, None])
+    if ok is not None and not ok.all():
         beam, level = (int(i) for i in np.unravel_index(int((~ok).argmax()), ok.shape))
         raise RequestError(
             f"CANDIDATE_CODES out of range at {int(np.count_nonzero(~ok))} place(s), the first at candidate {beam}, "

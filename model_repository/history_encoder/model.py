@@ -318,9 +318,6 @@ class TritonPythonModel:
                 for p, c in zip(encode, self.model.encode(items, actions, ts, lengths).split()):
                     p.cache = c
             grow = [p for p in append if p.items.shape[0] > 0]
-            for p in append:
-                if p.unchanged:
-                    p.cache = p.session.cache
             if len(grow) == 1:  # one session: its new rows go into its cache's spare rows
                 p = grow[0]
                 p.cache = self.model.append(p.session.cache, *self._pad(grow), in_place=True)
@@ -332,8 +329,6 @@ class TritonPythonModel:
         for p in plans:
             if p.reencode:
                 p.history = (p.items, p.actions, p.timestamps)
-            elif p.unchanged:
-                p.history = p.base
             else:
                 p.history = tuple(self.torch.cat([b, x]) for b, x in zip(p.base, (p.items, p.actions, p.timestamps)))
 
@@ -398,14 +393,20 @@ class TritonPythonModel:
     def _response(self, p):
         P, c = self.P, p.cache
         n = int(c.lengths[0])
+        if self.device == "cpu":  # numpy views of the cache: numpy's slicing costs less than torch's
+            states, keys, values, ts = (t.numpy() for t in (c.states, c.keys, c.values, c.timestamps))
+        else:  # only the rows in use leave the device
+            states, keys, values, ts = (c.states[:, :n].cpu().numpy(), c.keys[:, :, :n].cpu().numpy(),
+                                        c.values[:, :, :n].cpu().numpy(), c.timestamps[:, :n].cpu().numpy())
+        items = p.history[0].numpy()
         outs = {
-            P.HISTORY_STATES.name: c.states[:, :n],  # [1, n, D]
-            P.HISTORY_KEYS.name: c.keys[:, :, :n].transpose(0, 1),  # [1, L, n, H, dh]
-            P.HISTORY_VALUES.name: c.values[:, :, :n].transpose(0, 1),
-            P.HISTORY_TIMESTAMPS.name: c.timestamps[:, :n],  # [1, n]
-            P.HISTORY_ITEMS.name: p.history[0][None],  # [1, n]
+            P.HISTORY_STATES.name: states[:, :n],  # [1, n, D]
+            P.HISTORY_KEYS.name: keys[:, :, :n].transpose(1, 0, 2, 3, 4),  # [1, L, n, H, dh]
+            P.HISTORY_VALUES.name: values[:, :, :n].transpose(1, 0, 2, 3, 4),
+            P.HISTORY_TIMESTAMPS.name: ts[:, :n],  # [1, n]
+            P.HISTORY_ITEMS.name: items[None],  # [1, n]
         }
-        tensors = [pb_utils.Tensor(k, np.ascontiguousarray(v.cpu().numpy())) for k, v in outs.items()]
+        tensors = [pb_utils.Tensor(k, np.ascontiguousarray(v)) for k, v in outs.items()]
         tensors.append(pb_utils.Tensor(P.HISTORY_LENGTH.name, np.array([[n]], dtype=np.int64)))
         tensors.append(pb_utils.Tensor(P.TRUNCATED.name, np.array([[p.truncated]], dtype=np.int32)))
         tensors.append(pb_utils.Tensor(P.EVENT_COUNT.name, np.array([[p.count]], dtype=np.int64)))
@@ -456,7 +457,12 @@ class TritonPythonModel:
             except Exception as e:  # noqa: BLE001
                 errors[p.index] = e
         plans = ready
-        self._encode_and_log(plans, errors)
+        for p in plans:  # a recommend on the cached history encodes, logs and caches nothing
+            if p.unchanged:
+                p.cache, p.history = p.session.cache, p.base
+        changing = [p for p in plans if not p.unchanged]
+        if changing:
+            self._encode_and_log(changing, errors)
         for p in plans:
             if p.index in errors:
                 continue

@@ -131,28 +131,40 @@ class TritonPythonModel:
         with torch.inference_mode():
             return torch.as_tensor(self.runtime.score(keys, values, ts, lengths, cands, self.microbatch)).float().cpu()
 
+    def _batch(self, tensors, padding_value=0):
+        """Per-request tensors [M, ...] -> [B, M, ...], padded to the longest; one request's as it is."""
+        if len(tensors) == 1:
+            return tensors[0][None]
+        return self.torch.nn.utils.rnn.pad_sequence(tensors, batch_first=True, padding_value=padding_value)
+
     def _order(self, reqs):
         """The served order (served_order, as offline) of the batch: items, scores, log-probs
         [B, k] and codes [B, k, C], k = min(largest TOP_K, longest list). A request's answer is
         its first min(TOP_K, its candidates) slots: a shorter list's padding is empty and sorts last."""
-        torch = self.torch
-        pad = torch.nn.utils.rnn.pad_sequence
-        cands = pad([torch.from_numpy(r.candidates).clamp(min=0) for r in reqs], batch_first=True)  # [B, M]; 0 = none
+        torch, pad = self.torch, self._batch
+        cands = pad([torch.from_numpy(r.candidates).clamp(min=0) for r in reqs])  # [B, M]; 0 = none
         scores = self._scores(reqs, cands)
-        log_probs = pad([torch.from_numpy(r.log_probs).float() for r in reqs], batch_first=True, padding_value=float("-inf"))
-        codes = pad([torch.from_numpy(r.codes) for r in reqs], batch_first=True, padding_value=-1)  # [B, M, C]
-        exclude = torch.tensor([r.exclude_seen for r in reqs])  # [B]
-        # each request takes the fusion weights chosen on validation under its seen-item policy
-        cfg = self.model.cfg
-        kept, excluded = cfg.fusion_weights(False), cfg.fusion_weights(True)
-        weight, dense_weight, covisit_weight = (torch.where(exclude, e, k)[:, None] for k, e in zip(kept, excluded))
+        log_probs = pad([torch.from_numpy(r.log_probs).float() for r in reqs], float("-inf"))
+        codes = pad([torch.from_numpy(r.codes) for r in reqs], -1)  # [B, M, C]
+        # each request takes the fusion weights chosen on validation under its seen-item policy:
+        # numbers when the batch shares one policy, else [B, 1] columns
+        cfg, flags = self.model.cfg, [r.exclude_seen for r in reqs]
+        if all(flags) or not any(flags):
+            exclude = flags[0]
+            weight, dense_weight, covisit_weight = cfg.fusion_weights(exclude)
+            any_exclude, any_dense, any_covisit = exclude, dense_weight != 0, covisit_weight != 0
+        else:
+            exclude = torch.tensor(flags)  # [B]
+            kept, excluded = cfg.fusion_weights(False), cfg.fusion_weights(True)
+            weight, dense_weight, covisit_weight = (torch.where(exclude, e, k)[:, None] for k, e in zip(kept, excluded))
+            any_exclude, any_dense, any_covisit = True, bool((dense_weight != 0).any()), bool((covisit_weight != 0).any())
         fused = self.rank_by == "fused"
-        use_covisit = fused and bool((covisit_weight != 0).any())
+        use_covisit = fused and any_covisit
         history = None
-        if bool(exclude.any()) or use_covisit:
-            history = pad([torch.from_numpy(r.history_items) for r in reqs], batch_first=True)  # [B, n], 0 = padding
+        if any_exclude or use_covisit:
+            history = pad([torch.from_numpy(r.history_items) for r in reqs])  # [B, n], 0 = padding
         dense = covisit = None
-        if fused and bool((dense_weight != 0).any()):
+        if fused and any_dense:
             user_states = torch.from_numpy(np.stack([r.user_state for r in reqs])).to(self.device)
             with torch.inference_mode():
                 dense = self.model.dense_log_probs(user_states, cands.to(self.device)).cpu()

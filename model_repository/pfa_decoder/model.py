@@ -80,10 +80,16 @@ class TritonPythonModel:
         """One batched beam search for requests sharing `opts`."""
         torch = self.torch
         lengths = torch.tensor([s.shape[0] for s in states_list], dtype=torch.long)
-        states = torch.nn.utils.rnn.pad_sequence([torch.from_numpy(s) for s in states_list], batch_first=True)  # [B, n, D]
+        if len(states_list) == 1:  # one request: its states as they are, no padding copy
+            states = torch.from_numpy(states_list[0])[None]  # [1, n, D]
+        else:
+            states = torch.nn.utils.rnn.pad_sequence([torch.from_numpy(s) for s in states_list], batch_first=True)  # [B, n, D]
         with torch.inference_mode():
             beams = self.graphs.retrieve(states, lengths, opts)
-        return beams.item_ids.cpu().numpy(), beams.log_probs.float().cpu().numpy(), beams.codes.cpu().numpy().astype(np.int32)
+        items, log_probs, codes = beams.item_ids, beams.log_probs, beams.codes  # int64, float32, int64 on a CPU
+        if self.device != "cpu":
+            items, log_probs, codes = items.cpu(), log_probs.float().cpu(), codes.cpu()
+        return items.numpy(), log_probs.numpy(), codes.numpy().astype(np.int32)
 
     def execute(self, requests):
         P, V = self.P, self.V
@@ -110,7 +116,7 @@ class TritonPythonModel:
             for b, (i, _) in enumerate(members):
                 responses[i] = pb_utils.InferenceResponse(
                     output_tensors=[
-                        pb_utils.Tensor(P.CANDIDATE_ITEMS.name, items[b : b + 1].astype(np.int64)),
+                        pb_utils.Tensor(P.CANDIDATE_ITEMS.name, items[b : b + 1]),  # int64
                         pb_utils.Tensor(P.CANDIDATE_LOG_PROBS.name, log_probs[b : b + 1]),
                         pb_utils.Tensor(P.CANDIDATE_CODES.name, codes[b : b + 1]),
                     ]
