@@ -1,0 +1,129 @@
+"""Where does each stage's time go inside its Triton stub on a cached `recommend`? The benchmark model is published
+into a temporary repository whose copies of the three stages' model.py get timers (encoder_phases' TIMERS) around
+the steps of their `execute` and around the calls those make into the package (reading and checking the inputs,
+the model's work, the served order); one client sends cached recommends one at a time and reads Triton's
+compute_infer of each stage around each. What a stage spends outside the timed steps is building the response.
+Run from the repository root (needs the benchmark model, `make bench-served` trains it):
+    python -m perf.experiments.stage_phases            # -> perf/results/stage_phases.json
+    python -m perf.experiments.stage_phases --quick --out -
+"""
+import json
+import statistics
+import tempfile
+from pathlib import Path
+
+from backend_src.serving import protocol as P
+from perf.common import REPO_ROOT, host_load, log, save_result
+from perf.experiments import bench_model_parser
+from perf.experiments.encoder_phases import TIMERS
+
+# per stage: its own methods, then (object, attribute) calls into the package, timed once the stage has loaded
+PHASES = {
+    P.ENCODER: (("execute", "_parse", "_round", "_set_base", "_response", "_publish_metrics"),
+                (("self.V", "read_input"), ("self.V", "parse_options"), ("self.log", "counts"))),
+    P.DECODER: (("execute", "_read", "_decode"),
+                (("self.V", "read_input"), ("self.V", "parse_options"), ("self.V", "check_decoder_inputs"), ("self.graphs", "retrieve"))),
+    P.RANKER: (("execute", "_read", "_order", "_scores"),
+               (("self.V", "read_input"), ("self.V", "check_ranker_inputs"), ("self.runtime", "score"), ("self", "served_order"))),
+}
+
+# appended before TIMERS, which writes the times out when the model is finalized
+HAS_FINALIZE = '''
+
+if not hasattr(TritonPythonModel, "finalize"):
+    TritonPythonModel.finalize = lambda self: None
+'''
+
+# appended after TIMERS: wrap calls into the package once initialize has made the objects
+CALL_TIMERS = '''
+
+_initialize_untimed = TritonPythonModel.initialize
+
+
+def _initialize_timed(self, args):
+    _initialize_untimed(self, args)
+    import time
+
+    def wrap(owner, name):
+        inner = getattr(owner, name)
+
+        def timed(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return inner(*a, **k)
+            finally:
+                if _PHASE_TIMES:
+                    phases = _PHASE_TIMES[-1]
+                    phases[name] = phases.get(name, 0.0) + time.perf_counter() - t0
+
+        setattr(owner, name, timed)
+
+    for owner, name in %r:
+        wrap(eval(owner, {"self": self}), name)
+
+
+TritonPythonModel.initialize = _initialize_timed
+'''
+
+
+def main(argv=None):
+    ap = bench_model_parser(__doc__, "stage_phases.json")
+    ap.add_argument("--histories", type=int, nargs="+", default=[50, 512])
+    ap.add_argument("--reps", type=int, default=300)
+    args = ap.parse_args(argv)
+
+    from perf.served import compute_infer_ns, long_history, same_runtime_as_the_server
+
+    same_runtime_as_the_server(argv, module="perf.experiments.stage_phases")
+    import tritonclient.grpc as grpcclient
+
+    from backend_src.config import DecodeOptions
+    from backend_src.data import load_dataset
+    from clients.client import RecommenderClient
+    from export.publish import publish
+    from export.triton_configs import ServingOptions
+    from perf.served_eval import serve_repository
+
+    reps, warmup = (10, 3) if args.quick else (args.reps, 30)
+    load_start = host_load()
+    data = load_dataset(args.data, max_users=args.max_users)
+    options = dict(top_k=10, beam_width=100, mode="pfa", pfa_k=256, pfa_r=0.5, selection_step=1)
+    serving = ServingOptions(decode=DecodeOptions(mode="pfa", beam_width=100, k=256, r=0.5, selection_step=1), top_k=10,
+                             torch_threads=1, visit_idle_s=120)
+    rows = []
+    for n in args.histories:
+        with tempfile.TemporaryDirectory(prefix="genrec-stage-phases-", dir=REPO_ROOT / "runs" if (REPO_ROOT / "runs").is_dir() else None) as tmp:
+            repo = Path(tmp) / "model_repository"
+            publish(args.checkpoint, repo, serving)
+            for stage, (methods, calls) in PHASES.items():
+                model_py = repo / stage / "1" / "model.py"
+                model_py.write_text(model_py.read_text() + HAS_FINALIZE + TIMERS % (methods, str(Path(tmp) / f"{stage}.json")) + CALL_TIMERS % (calls,))
+            with serve_repository(repo) as server:
+                client, stats = RecommenderClient(server.grpc_url), grpcclient.InferenceServerClient(server.grpc_url)
+                client.open_session("phases", *long_history(data, n), **options)
+                compute = {stage: [] for stage in PHASES}
+                for i in range(warmup + reps):
+                    before = {stage: compute_infer_ns(stats, stage) for stage in PHASES}
+                    client.recommend("phases", **options)
+                    if i >= warmup:
+                        for stage in PHASES:
+                            compute[stage].append((compute_infer_ns(stats, stage) - before[stage]) / 1e6)
+                client.close_session("phases")
+                client.close()
+                stats.close()
+            for stage in PHASES:  # the stage's executes: the open, the warm-up and timed recommends, the close
+                executes = json.loads((Path(tmp) / f"{stage}.json").read_text())
+                executes = executes[-reps - 1:-1] if stage == P.ENCODER else executes[-reps:]
+                names = sorted({k for e in executes for k in e})
+                phases = {k: statistics.median(e.get(k, 0.0) for e in executes) * 1e3 for k in names}
+                row = dict(history=n, stage=stage, reps=reps, compute_infer_p50_ms=statistics.median(compute[stage]), phases_p50_ms=phases)
+                rows.append(row)
+                log(f"history {n:4d} {stage:16s} compute_infer {row['compute_infer_p50_ms']:.2f} ms; "
+                    + ", ".join(f"{k.strip('_')} {v:.3f}" for k, v in phases.items()))
+    if args.out != "-":
+        save_result(Path(args.out), rows, "perf.experiments.stage_phases", argv, load_start, checkpoint=str(args.checkpoint),
+                    data=args.data, options=options)
+
+
+if __name__ == "__main__":
+    main()
