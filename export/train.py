@@ -62,8 +62,7 @@ RECIPE = dict(
 # their recorded results were trained with (perf/results/*.json "command"), not quality recipes.
 _SMALL = dict(layers=2, heads=2, dropout=0.2, lr=1e-3, lr_schedule="constant", weight_decay=0.0,
               dense_negatives=0, ranker_negatives=64, code_embeddings=0, node_output=False, covisit_window=0,
-              valid_users=2000,
-              minutes=None, item_embeddings="auto")
+              valid_users=2000, minutes=None, item_embeddings="auto")
 BENCHMARK_CONFIGS = {
     "synthetic": dict(_SMALL, d_model=48, max_len=64, codebook=(32, 32, 32), epochs=4),
     "ml-100k": dict(_SMALL, d_model=64, max_len=200, codebook=(32, 32, 32), epochs=30),

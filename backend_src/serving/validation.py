@@ -191,11 +191,10 @@ def _check_indices(values: np.ndarray, name: str, num_items: int, zero: str) -> 
     if values.size == 0 or (values.min() >= 0 and values.max() <= num_items):
         return
     bad = np.flatnonzero((values < 0) | (values > num_items))
-    if bad.size:
-        raise RequestError(
-            f"{name} holds item indices out of range at positions {_fmt(bad.tolist())} "
-            f"(values {_fmt(values[bad].tolist())}): item indices are 0..{num_items} (0 = {zero})"
-        )
+    raise RequestError(
+        f"{name} holds item indices out of range at positions {_fmt(bad.tolist())} "
+        f"(values {_fmt(values[bad].tolist())}): item indices are 0..{num_items} (0 = {zero})"
+    )
 
 
 def _check_finite(x: np.ndarray, name: str) -> None:
@@ -272,8 +271,8 @@ def check_ranker_inputs(
     cands = candidates[0]
     _check_indices(cands, "CANDIDATE_ITEMS", num_items, "empty beam")
     lp = log_probs[0]
-    bad = () if lp.max() < np.inf else np.flatnonzero(np.isnan(lp) | (lp == np.inf))  # a NaN fails the test too
-    if len(bad):
+    if not lp.max() < np.inf:  # a NaN fails this test too
+        bad = np.flatnonzero(np.isnan(lp) | (lp == np.inf))
         raise RequestError(
             f"CANDIDATE_LOG_PROBS holds NaN or +inf at positions {_fmt(bad.tolist())} "
             f"(values {_fmt(lp[bad].tolist())}): log-probabilities are <= 0, -inf for an empty beam"
@@ -281,13 +280,14 @@ def check_ranker_inputs(
     c = codes[0]
     sizes = np.asarray(codebook_sizes, dtype=np.int64)
     # each level's code is below that level's codebook size; an empty beam's codes may be -1
-    ok = None if c.min() >= 0 and (c < sizes).all() else ((c >= 0) & (c < sizes)) | ((c == -1) & (cands == 0)[:, None])
-    if ok is not None and not ok.all():
-        beam, level = (int(i) for i in np.unravel_index(int((~ok).argmax()), ok.shape))
-        raise RequestError(
-            f"CANDIDATE_CODES out of range at {int(np.count_nonzero(~ok))} place(s), the first at candidate {beam}, "
-            f"level {level}: {int(c[beam, level])}; level sizes are {sizes.tolist()} (-1 only for an empty beam, item 0)"
-        )
+    if not (c.min() >= 0 and (c < sizes).all()):  # out of range, or an empty beam's -1
+        ok = ((c >= 0) & (c < sizes)) | ((c == -1) & (cands == 0)[:, None])
+        if not ok.all():
+            beam, level = (int(i) for i in np.unravel_index(int((~ok).argmax()), ok.shape))
+            raise RequestError(
+                f"CANDIDATE_CODES out of range at {int(np.count_nonzero(~ok))} place(s), the first at candidate {beam}, "
+                f"level {level}: {int(c[beam, level])}; level sizes are {sizes.tolist()} (-1 only for an empty beam, item 0)"
+            )
     _check_finite(states, "HISTORY_STATES")
     _check_finite(keys, "HISTORY_KEYS")
     _check_finite(values, "HISTORY_VALUES")

@@ -311,13 +311,12 @@ class TritonPythonModel:
 
     def _run(self, plans) -> None:
         encode = [p for p in plans if p.reencode]
-        append = [p for p in plans if not p.reencode]
+        grow = [p for p in plans if not p.reencode]  # cached sessions with new events (a recommend never gets here)
         with self.torch.inference_mode():
             if encode:
                 items, actions, ts, lengths = self._pad(encode)
                 for p, c in zip(encode, self.model.encode(items, actions, ts, lengths).split()):
                     p.cache = c
-            grow = [p for p in append if p.items.shape[0] > 0]
             if len(grow) == 1:  # one session: its new rows go into its cache's spare rows
                 p = grow[0]
                 p.cache = self.model.append(p.session.cache, *self._pad(grow), in_place=True)

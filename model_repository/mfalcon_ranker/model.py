@@ -148,23 +148,20 @@ class TritonPythonModel:
         codes = pad([torch.from_numpy(r.codes) for r in reqs], -1)  # [B, M, C]
         # each request takes the fusion weights chosen on validation under its seen-item policy:
         # numbers when the batch shares one policy, else [B, 1] columns
-        cfg, flags = self.model.cfg, [r.exclude_seen for r in reqs]
-        if all(flags) or not any(flags):
-            exclude = flags[0]
-            weight, dense_weight, covisit_weight = cfg.fusion_weights(exclude)
-            any_exclude, any_dense, any_covisit = exclude, dense_weight != 0, covisit_weight != 0
+        flags = [r.exclude_seen for r in reqs]
+        per_request = [self.model.cfg.fusion_weights(f) for f in flags]  # (w, v, u) each
+        if len(set(flags)) == 1:
+            exclude, (weight, dense_weight, covisit_weight) = flags[0], per_request[0]
         else:
             exclude = torch.tensor(flags)  # [B]
-            kept, excluded = cfg.fusion_weights(False), cfg.fusion_weights(True)
-            weight, dense_weight, covisit_weight = (torch.where(exclude, e, k)[:, None] for k, e in zip(kept, excluded))
-            any_exclude, any_dense, any_covisit = True, bool((dense_weight != 0).any()), bool((covisit_weight != 0).any())
+            weight, dense_weight, covisit_weight = (torch.tensor(column)[:, None] for column in zip(*per_request))
         fused = self.rank_by == "fused"
-        use_covisit = fused and any_covisit
+        use_covisit = fused and any(u for _, _, u in per_request)
         history = None
-        if any_exclude or use_covisit:
+        if any(flags) or use_covisit:
             history = pad([torch.from_numpy(r.history_items) for r in reqs])  # [B, n], 0 = padding
         dense = covisit = None
-        if fused and any_dense:
+        if fused and any(v for _, v, _ in per_request):
             user_states = torch.from_numpy(np.stack([r.user_state for r in reqs])).to(self.device)
             with torch.inference_mode():
                 dense = self.model.dense_log_probs(user_states, cands.to(self.device)).cpu()

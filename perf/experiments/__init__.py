@@ -16,3 +16,14 @@ def bench_model_parser(doc: str, result_file: str) -> argparse.ArgumentParser:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=str(RESULTS_DIR / result_file), help="'-': print only")
     return ap
+
+
+def served_settings() -> tuple:
+    """What the served benchmark asks and serves (beam 100, PFA k 256, top 10, one torch thread a
+    stage): (the client's request options, the ServingOptions to publish with)."""
+    from backend_src.config import DecodeOptions
+    from export.triton_configs import ServingOptions
+
+    options = dict(top_k=10, exclude_seen=False, beam_width=100, mode="pfa", pfa_k=256, pfa_r=0.5, selection_step=1)
+    decode = DecodeOptions(mode="pfa", beam_width=100, k=256, r=0.5, selection_step=1)
+    return options, ServingOptions(decode=decode, top_k=10, torch_threads=1, visit_idle_s=120)

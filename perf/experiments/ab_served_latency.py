@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 
 from perf.common import REPO_ROOT, host_load, log, save_result
-from perf.experiments import bench_model_parser
+from perf.experiments import bench_model_parser, served_settings
 
 KINDS = ("recommend", "append", "open")
 STAGE_PARTS = ("compute_input", "compute_infer", "compute_output")
@@ -29,17 +29,13 @@ def main(argv=None):
     from perf.served import ServedKinds, _per_request_ms, baseline_server, long_history, same_runtime_as_the_server
 
     same_runtime_as_the_server(argv, module="perf.experiments.ab_served_latency")
-    from backend_src.config import DecodeOptions
     from backend_src.data import load_dataset
-    from export.triton_configs import ServingOptions
     from perf.served_eval import local_server
 
     reps, warmup = (10, 3) if args.quick else (args.requests, 20)
     load_start = host_load()
     data = load_dataset(args.data, max_users=args.max_users)
-    options = dict(top_k=10, exclude_seen=False, beam_width=100, mode="pfa", pfa_k=256, pfa_r=0.5, selection_step=1)
-    serving = ServingOptions(decode=DecodeOptions(mode="pfa", beam_width=100, k=256, r=0.5, selection_step=1), top_k=10,
-                             torch_threads=1, visit_idle_s=120)
+    options, serving = served_settings()
     names = (args.ref, "this")
     rows = []
     with tempfile.TemporaryDirectory(prefix="genrec-ab-", dir=REPO_ROOT / "runs" if (REPO_ROOT / "runs").is_dir() else None) as tmp, \

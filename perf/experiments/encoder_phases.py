@@ -17,7 +17,7 @@ from pathlib import Path
 
 from backend_src.serving import protocol as P
 from perf.common import REPO_ROOT, host_load, log, save_result
-from perf.experiments import bench_model_parser
+from perf.experiments import bench_model_parser, served_settings
 
 # (kind, history) in the order they are sent; each kind's requests are one execute each
 ROWS = (("recommend", 50), ("append", 50), ("open", 512))
@@ -106,11 +106,9 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=300)
     args = ap.parse_args(argv)
 
-    from backend_src.config import DecodeOptions
     from backend_src.data import load_dataset
     from backend_src.model.recommender import GenerativeRecommender
     from export.publish import publish
-    from export.triton_configs import ServingOptions
     from perf.floor import floor_server
     from perf.served import long_history, same_runtime_as_the_server
     from perf.served_eval import serve_repository
@@ -120,9 +118,7 @@ def main(argv=None):
     load_start = host_load()
     data = load_dataset(args.data, max_users=args.max_users)
     events, long_events = long_history(data, 50), long_history(data, 512)
-    options = dict(top_k=10, beam_width=100, mode="pfa", pfa_k=256, pfa_r=0.5, selection_step=1)
-    decode = DecodeOptions(mode="pfa", beam_width=100, k=256, r=0.5, selection_step=1)
-    serving = ServingOptions(decode=decode, top_k=10, torch_threads=1, visit_idle_s=120)
+    options, serving = served_settings()
     with tempfile.TemporaryDirectory(prefix="genrec-phases-", dir=REPO_ROOT / "runs" if (REPO_ROOT / "runs").is_dir() else None) as tmp:
         repo, times_file = Path(tmp) / "model_repository", Path(tmp) / "phases.json"
         publish(args.checkpoint, repo, serving)

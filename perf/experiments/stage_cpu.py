@@ -20,7 +20,7 @@ from pathlib import Path
 
 from backend_src.serving import protocol as P
 from perf.common import REPO_ROOT, host_load, log, save_result
-from perf.experiments import bench_model_parser
+from perf.experiments import bench_model_parser, served_settings
 
 STAGES = (P.ENCODER, P.DECODER, P.RANKER)
 
@@ -91,10 +91,8 @@ def main(argv=None):
     ap.add_argument("--no-floor", dest="floor", action="store_false", help="skip the no-op ensemble")
     args = ap.parse_args(argv)
 
-    from backend_src.config import DecodeOptions
     from backend_src.data import load_dataset
     from backend_src.model.recommender import GenerativeRecommender
-    from export.triton_configs import ServingOptions
     from perf.served import (baseline_server, perf_analyzer_env, perf_analyzer_usable, same_runtime_as_the_server,
                              sequence_input_data, session_streams)
     from perf.floor import floor_server
@@ -105,9 +103,7 @@ def main(argv=None):
     load_start = host_load()
     data = load_dataset(args.data, max_users=args.max_users)
     cfg = GenerativeRecommender.load(args.checkpoint).cfg
-    options = dict(top_k=10, exclude_seen=False, beam_width=100, mode="pfa", pfa_k=256, pfa_r=0.5, selection_step=1)
-    decode = DecodeOptions(mode="pfa", beam_width=100, k=256, r=0.5, selection_step=1)
-    serving = ServingOptions(decode=decode, top_k=10, torch_threads=1, visit_idle_s=120)
+    options, serving = served_settings()
     work = Path(tempfile.mkdtemp(prefix="genrec-stage-cpu-", dir=REPO_ROOT / "runs" if (REPO_ROOT / "runs").is_dir() else None))
     rows = []
     try:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from backend_src.serving import protocol as P
 from perf.common import REPO_ROOT, host_load, log, save_result
-from perf.experiments import bench_model_parser
+from perf.experiments import bench_model_parser, served_settings
 from perf.experiments.encoder_phases import TIMERS
 
 # per stage: its own methods, then (object, attribute) calls into the package, timed once the stage has loaded
@@ -77,19 +77,15 @@ def main(argv=None):
     same_runtime_as_the_server(argv, module="perf.experiments.stage_phases")
     import tritonclient.grpc as grpcclient
 
-    from backend_src.config import DecodeOptions
     from backend_src.data import load_dataset
     from clients.client import RecommenderClient
     from export.publish import publish
-    from export.triton_configs import ServingOptions
     from perf.served_eval import serve_repository
 
     reps, warmup = (10, 3) if args.quick else (args.reps, 30)
     load_start = host_load()
     data = load_dataset(args.data, max_users=args.max_users)
-    options = dict(top_k=10, beam_width=100, mode="pfa", pfa_k=256, pfa_r=0.5, selection_step=1)
-    serving = ServingOptions(decode=DecodeOptions(mode="pfa", beam_width=100, k=256, r=0.5, selection_step=1), top_k=10,
-                             torch_threads=1, visit_idle_s=120)
+    options, serving = served_settings()
     rows = []
     for n in args.histories:
         with tempfile.TemporaryDirectory(prefix="genrec-stage-phases-", dir=REPO_ROOT / "runs" if (REPO_ROOT / "runs").is_dir() else None) as tmp:
