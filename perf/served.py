@@ -260,47 +260,88 @@ def _per_request_ms(acc: dict) -> dict:
 
 class InProcess:
     """The work of one served request, done in this process with the same torch threads: open =
-    encode the history + recommend; append = append one event to the cached history + recommend;
-    recommend = recommend on the cached history. With `parts`, also retrieval alone (the decoder's
-    share of recommend, run once more after it)."""
+    map the raw item ids, write the events to a durable event log and encode the history, then
+    recommend; append = map the new event's id, append it to the cached history, write it to the log,
+    then recommend; recommend = recommend on the cached history. The log is the server's kind
+    (SQLite, the same durability, a new session per open or append) and is written the way the
+    encoder stage writes it: beside the encode when the write is long, after the model work when short.
+    Each call returns the whole request's milliseconds and its parts: the model's share alone
+    ("model": encode or append, and recommend), and with `parts` the stages' shares, the decoder's
+    being the retrieval alone run once more after the request."""
 
-    def __init__(self, model, events: tuple, options, top_k: int, threads: int):
+    def __init__(self, model, events: tuple, options, top_k: int, threads: int, log_path: Path, durability: str):
+        from concurrent.futures import ThreadPoolExecutor
+
         import torch
+
+        from backend_src.serving.event_log import WRITE_ASIDE_EVENTS, open_event_log
 
         torch.set_num_threads(threads)
         self.torch, self.model, self.options, self.top_k = torch, model, options, top_k
-        items, actions, ts = events
-        self.idx = torch.as_tensor(model.item_indices(items))[None]
+        self.raw, actions, ts = events
         self.act, self.tim = torch.tensor([actions]), torch.tensor([ts])
-        self.n = self.idx.shape[1]
+        self.actions, self.timestamps = np.asarray(actions, dtype=np.int64), np.asarray(ts, dtype=np.int64)
+        self.n = len(self.raw)
+        self.log = open_event_log(str(log_path), retain_events=max(4096, model.cfg.max_seq_len), durability=durability)
+        self.aside = self.n >= WRITE_ASIDE_EVENTS  # the open's write; an append's one event is written after
+        self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="in-process-log")
+        self.sessions = 0
         with torch.inference_mode():
-            self.cache = self._encode(self.n)
-            self.base = self._encode(self.n - 1)
+            self.cache = self._encode(self._indices(self.raw))
+            self.base = self._encode(self._indices(self.raw[:-1]))
 
-    def _encode(self, n):
-        return self.model.encode(self.idx[:, :n], self.act[:, :n], self.tim[:, :n], self.torch.tensor([n]))
+    def _indices(self, raw):
+        return self.torch.from_numpy(self.model.item_indices(raw))[None]
+
+    def _encode(self, idx):
+        n = idx.shape[1]
+        return self.model.encode(idx, self.act[:, :n], self.tim[:, :n], self.torch.tensor([n]))
+
+    def _session(self, kind: str) -> str:
+        self.sessions += 1
+        key = f"s:in-process-{kind}-{self.sessions}"
+        if kind == "append":  # the session the append goes to, as the served append's (not timed)
+            self.log.replace(key, self.raw[:-1], self.actions[:-1], self.timestamps[:-1])
+        return key
 
     def __call__(self, kind: str, parts: bool = True) -> dict:
         """Milliseconds of the whole request (and of its parts)."""
-        m, torch = self.model, self.torch
+        m, torch, log = self.model, self.torch, self.log
+        key = self._session(kind) if kind != "recommend" else None
         with torch.inference_mode():
             t0 = time.perf_counter()
             if kind == "open":
-                cache = self._encode(self.n)
+                written = self.writer.submit(log.replace, key, self.raw, self.actions, self.timestamps) if self.aside else None
+                idx = self._indices(self.raw)
+                tm = time.perf_counter()
+                cache = self._encode(idx)
+                model_ms = time.perf_counter() - tm
+                if written is None:
+                    log.replace(key, self.raw, self.actions, self.timestamps)
+                else:
+                    written.result()
             elif kind == "append":
-                cache = m.append(self.base, self.idx[:, -1:], self.act[:, -1:], self.tim[:, -1:], torch.tensor([1]))
+                idx = self._indices(self.raw[-1:])
+                tm = time.perf_counter()
+                cache = m.append(self.base, idx, self.act[:, -1:], self.tim[:, -1:], torch.tensor([1]))
+                model_ms = time.perf_counter() - tm
+                log.append_many([(key, self.n - 1, self.raw[-1:], self.actions[-1:], self.timestamps[-1:])])
             else:
-                cache = self.cache
+                cache, model_ms = self.cache, 0.0
             t1 = time.perf_counter()
             m.recommend(cache, self.options, top_k=self.top_k)
             t2 = time.perf_counter()
             if parts:
                 m.retrieve(cache, self.options)
             t3 = time.perf_counter()
+        took = {"total": (t2 - t0) * 1e3, "model": (model_ms + t2 - t1) * 1e3}
         if not parts:
-            return {"total": (t2 - t0) * 1e3}
-        return {"total": (t2 - t0) * 1e3, "encoder": (t1 - t0) * 1e3, "decoder": (t3 - t2) * 1e3,
-                "ranker": max(0.0, (t2 - t1) - (t3 - t2)) * 1e3}
+            return took
+        return took | {"encoder": (t1 - t0) * 1e3, "decoder": (t3 - t2) * 1e3, "ranker": max(0.0, (t2 - t1) - (t3 - t2)) * 1e3}
+
+    def close(self) -> None:
+        self.writer.shutdown(wait=True)
+        self.log.close()
 
 
 class ServedKinds:
@@ -353,22 +394,23 @@ TURN_ORDERS = tuple(itertools.permutations(("served", "floor", "in_process")))
 
 
 def latency_rows(model, data, url: str, floor_url: str, histories, options: dict, decode_options, top_k: int,
-                 requests: int, threads: int) -> tuple:
+                 requests: int, threads: int, log_dir: Path, durability: str) -> tuple:
     """One row per (kind, history): served, in-process and floor p50/p99, measured in turn request
     by request (each sees the same noise, and follows each of the others equally often), the
     in-process work once more back to back (warm: the best it does alone), and a breakdown per
-    stage from Triton's statistics."""
+    stage from Triton's statistics. The in-process request writes its events to a durable log in
+    `log_dir` as the server does; its model's share alone is kept beside it."""
     rows, breakdown = [], []
     tag = uuid.uuid4().hex[:8]
     for n in histories:
         events = long_history(data, n)
-        local = InProcess(model, events, decode_options, top_k, threads)
+        local = InProcess(model, events, decode_options, top_k, threads, log_dir / f"in-process-{n}.sqlite3", durability)
         served = ServedKinds(url, events, options, f"perf-{tag}-{n}")
         floor = ServedKinds(floor_url, events, options, f"floor-{tag}-{n}")
         try:
             measure = {"served": served, "floor": floor, "in_process": local}
             for kind in KINDS:
-                samples = {"served": [], "floor": [], "in_process": []}
+                samples = {"served": [], "floor": [], "in_process": [], "in_process_model": []}
                 parts = []
                 for r in range(requests + 3):  # three warm-up rounds
                     took = {name: measure[name](kind) for name in TURN_ORDERS[r % len(TURN_ORDERS)]}
@@ -376,6 +418,7 @@ def latency_rows(model, data, url: str, floor_url: str, histories, options: dict
                         samples["served"].append(took["served"])
                         samples["floor"].append(took["floor"])
                         samples["in_process"].append(took["in_process"]["total"])
+                        samples["in_process_model"].append(took["in_process"]["model"])
                         parts.append(took["in_process"])
                 # the same work again back to back in this process: warm caches, no other process between
                 samples["in_process_warm"] = [local(kind, parts=False)["total"] for _ in range(requests)]
@@ -385,7 +428,9 @@ def latency_rows(model, data, url: str, floor_url: str, histories, options: dict
                        "in_process_p50_ms": st["in_process"]["p50_ms"], "in_process_p99_ms": st["in_process"]["p99_ms"],
                        "floor_p50_ms": st["floor"]["p50_ms"], "floor_p99_ms": st["floor"]["p99_ms"]}
                 row["in_process_warm_p50_ms"] = st["in_process_warm"]["p50_ms"]
+                row["in_process_model_p50_ms"] = st["in_process_model"]["p50_ms"]
                 row["overhead_p50_ms"] = row["served_p50_ms"] - row["in_process_p50_ms"] - row["floor_p50_ms"]
+                row["overhead_vs_model_p50_ms"] = row["served_p50_ms"] - row["in_process_model_p50_ms"] - row["floor_p50_ms"]
                 row["overhead_vs_warm_p50_ms"] = row["served_p50_ms"] - row["in_process_warm_p50_ms"] - row["floor_p50_ms"]
                 row["goal_met"] = bool(row["overhead_p50_ms"] <= 1.0 and row["served_p99_ms"] <= 1.5 * row["served_p50_ms"])
                 rows.append(row)
@@ -406,6 +451,7 @@ def latency_rows(model, data, url: str, floor_url: str, histories, options: dict
         finally:
             served.close()
             floor.close()
+            local.close()
     return rows, breakdown
 
 
@@ -677,7 +723,7 @@ def main(argv=None) -> int:
             # (b) every request kind in-process, served and on the floor, one request of each in turn
             log(f"latency per request kind, histories {histories}, {a.requests} requests each ...")
             latency, breakdown = latency_rows(model, data, url, floor.grpc_url, histories, options, decode, a.top_k,
-                                              a.requests, a.torch_threads)
+                                              a.requests, a.torch_threads, work, serving.log_durability)
             result["latency_rows"] = latency
             result["breakdown"] = breakdown
             for r in latency:

@@ -194,3 +194,27 @@ def test_gpu_kernels_script_cpu_smoke(tmp_path):
         assert set(profile["parts_at_best"]) == {"biases=1", "biases=0", "per_pair_time", "op_at_best"}
         assert r["baseline"]["checks"]["ok"]
     assert "## HSTU kernel profile" in (tmp_path / "gpu_kernels.md").read_text()
+
+
+def test_in_process_request_writes_the_log_as_the_served_one_does(tmp_path):
+    """The served benchmark's in-process row does the served request's work beyond the model too: an
+    open logs its events, an append its one event after the session's others, a recommend nothing."""
+    from backend_src.config import DecodeOptions
+    from backend_src.model.recommender import GenerativeRecommender
+    from backend_src.serving.event_log import open_event_log
+    from perf.served import InProcess
+
+    ids = [None] + [f"i{k}" for k in range(40)]
+    model = GenerativeRecommender.untrained(ids, 32, seed=0)
+    events = ([f"i{k}" for k in range(20)], [0] * 20, list(range(100, 120)))
+    path = tmp_path / "events.sqlite3"
+    work = InProcess(model, events, DecodeOptions(beam_width=8), top_k=3, threads=1, log_path=path, durability="full")
+    took = {kind: work(kind) for kind in ("open", "append", "recommend")}
+    work.close()
+    for kind, t in took.items():
+        assert 0 < t["model"] <= t["total"], kind
+    log = open_event_log(str(path))
+    assert log.counts(["s:in-process-open-1", "s:in-process-append-2"]) == [20, 20]
+    assert log.tail("s:in-process-append-2", 1).items == ["i19"]
+    assert log.stats()["users"] == 2  # the recommend wrote nothing
+    log.close()

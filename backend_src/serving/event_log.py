@@ -72,6 +72,11 @@ DEFAULT_REDIS_PREFIX = "eventlog:"
 _INT64 = (-(2**63), 2**63 - 1)
 
 
+# A write of this many events or more is worth a thread of its own beside the model's work (an open's
+# history: mostly SQLite and fsync with the GIL let go); a few events' write costs less than the hand-off.
+WRITE_ASIDE_EVENTS = 16
+
+
 class LogConflict(Exception):
     """A write's expected count differed from the log's; nothing was applied.
 

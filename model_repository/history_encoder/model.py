@@ -33,7 +33,6 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 LOG_SWEEP_INTERVAL_S = 600.0
-LOG_WRITE_ASIDE_EVENTS = 16  # a round writing this many events or more writes them beside the encode
 
 
 def _params(args) -> dict:
@@ -102,10 +101,11 @@ class TritonPythonModel:
         from backend_src.model.recommender import GenerativeRecommender
         from backend_src.serving import protocol as P
         from backend_src.serving import validation as V
-        from backend_src.serving.event_log import open_event_log
+        from backend_src.serving.event_log import WRITE_ASIDE_EVENTS, open_event_log
         from backend_src.serving.session_store import DEFAULT_PREFAULT_BYTES, Session, SessionStore, prefault_heap
 
         self.torch, self.P, self.V, self.Session, self.HistoryCache = torch, P, V, Session, HistoryCache
+        self.write_aside_events = WRITE_ASIDE_EVENTS
         torch.set_num_threads(int(params.get("torch_threads", 1)))
         model_dir = Path(args["model_repository"])
         self.model = GenerativeRecommender.load(vdir / "encoder.pt")  # the backbone and the item ids only
@@ -363,7 +363,7 @@ class TritonPythonModel:
         A short one (an append's few events) runs after the encode, on this thread: beside the encode it
         gained nothing, the hand-off and the contention for the GIL costing what it saved."""
         log_errors = {}
-        aside = sum(len(p.new[0]) for p in plans) >= LOG_WRITE_ASIDE_EVENTS
+        aside = sum(len(p.new[0]) for p in plans) >= self.write_aside_events
         written = self._log_writer.submit(self._write_log, plans, log_errors) if aside else None
         try:
             self._run(plans)

@@ -11,7 +11,9 @@ Conditions alternate request by request, so drift of the host cancels in the rat
     python -m perf.experiments.idle_gap            # -> perf/results/idle_gap.json
     python -m perf.experiments.idle_gap --quick --out -
 """
+import shutil
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -50,8 +52,10 @@ def main(argv=None):
     data = load_dataset(args.data, max_users=args.max_users)
     options = DecodeOptions(mode="pfa", beam_width=100, k=256, r=0.5, selection_step=1)
     rows = []
+    log_dir = Path(tempfile.mkdtemp(prefix="idle-gap-"))  # the in-process log; only recommends run, which write none
     for n in args.histories:
-        work = InProcess(model, long_history(data, min(n, model.cfg.max_seq_len)), options, top_k=10, threads=1)
+        work = InProcess(model, long_history(data, min(n, model.cfg.max_seq_len)), options, top_k=10, threads=1,
+                         log_path=log_dir / f"events-{n}.sqlite3", durability="full")
         for _ in range(10):  # warm-up
             work("recommend", parts=False)
         times = {name: [] for name, _, _ in CONDITIONS}
@@ -60,12 +64,14 @@ def main(argv=None):
                 work("recommend", parts=False)  # every condition follows the same work
                 pause(how, seconds)
                 times[name].append(work("recommend", parts=False)["total"])
+        work.close()
         base = statistics.median(times["back to back"])
         for name, how, seconds in CONDITIONS:
             p50 = statistics.median(times[name])
             rows.append(dict(history=n, condition=name, pause=how or "none", pause_ms=seconds * 1e3, reps=reps,
                              recommend_p50_ms=p50, ratio_to_back_to_back=p50 / base))
             log(f"history {n:4d}, {name:12s}: recommend {p50:.2f} ms p50 ({p50 / base:.2f}x back to back)")
+    shutil.rmtree(log_dir, ignore_errors=True)
     if args.out != "-":
         save_result(Path(args.out), rows, "perf.experiments.idle_gap", argv, load_start, checkpoint=str(args.checkpoint),
                     data=args.data, beam_width=100, pfa_k=256, torch_threads=1)
