@@ -2,7 +2,8 @@
 served request sleeps while the others (and the client, and Triton) run, and the served benchmark's in-process work
 runs in turn with the served and floor requests; the same work back to back in one process is much faster. Here one
 process, nothing else started, times the in-process work of a cached `recommend` (the decode and the ranking of the
-served benchmark: beam 100, PFA k 256, top 10) right after:
+served benchmark: beam 100, PFA k 256, top 10), and the encoder's durable log write of an append (one event, SQLite
+with fsync), right after:
   - nothing (back to back);
   - a sleep of 1, 5 or 20 ms (the vCPU idles);
   - 20 ms of spinning on the clock (the same time passes, the vCPU stays busy).
@@ -45,6 +46,7 @@ def main(argv=None):
     from backend_src.config import DecodeOptions
     from backend_src.data import load_dataset
     from backend_src.model.recommender import GenerativeRecommender
+    from backend_src.serving.event_log import open_event_log
 
     reps = 5 if args.quick else args.reps
     load_start = host_load()
@@ -52,25 +54,42 @@ def main(argv=None):
     data = load_dataset(args.data, max_users=args.max_users)
     options = DecodeOptions(mode="pfa", beam_width=100, k=256, r=0.5, selection_step=1)
     rows = []
-    log_dir = Path(tempfile.mkdtemp(prefix="idle-gap-"))  # the in-process log; only recommends run, which write none
+    log_dir = Path(tempfile.mkdtemp(prefix="idle-gap-"))
+
+    def timed(name, run, **fields):
+        """`run` (-> ms) under every condition, alternating; one row per condition."""
+        for _ in range(10):  # warm-up
+            run()
+        times = {condition: [] for condition, _, _ in CONDITIONS}
+        for _ in range(reps):
+            for condition, how, seconds in CONDITIONS:
+                run()  # every condition follows the same work
+                pause(how, seconds)
+                times[condition].append(run())
+        base = statistics.median(times["back to back"])
+        for condition, how, seconds in CONDITIONS:
+            p50 = statistics.median(times[condition])
+            rows.append(dict(work=name, **fields, condition=condition, pause=how or "none", pause_ms=seconds * 1e3,
+                             reps=reps, p50_ms=p50, ratio_to_back_to_back=p50 / base))
+            log(f"{name} {fields}, {condition:12s}: {p50:.3f} ms p50 ({p50 / base:.2f}x back to back)")
+
     for n in args.histories:
         work = InProcess(model, long_history(data, min(n, model.cfg.max_seq_len)), options, top_k=10, threads=1,
                          log_path=log_dir / f"events-{n}.sqlite3", durability="full")
-        for _ in range(10):  # warm-up
-            work("recommend", parts=False)
-        times = {name: [] for name, _, _ in CONDITIONS}
-        for _ in range(reps):
-            for name, how, seconds in CONDITIONS:
-                work("recommend", parts=False)  # every condition follows the same work
-                pause(how, seconds)
-                times[name].append(work("recommend", parts=False)["total"])
+        timed("recommend", lambda: work("recommend", parts=False)["total"], history=n)
         work.close()
-        base = statistics.median(times["back to back"])
-        for name, how, seconds in CONDITIONS:
-            p50 = statistics.median(times[name])
-            rows.append(dict(history=n, condition=name, pause=how or "none", pause_ms=seconds * 1e3, reps=reps,
-                             recommend_p50_ms=p50, ratio_to_back_to_back=p50 / base))
-            log(f"history {n:4d}, {name:12s}: recommend {p50:.2f} ms p50 ({p50 / base:.2f}x back to back)")
+    # the encoder's durable write of an append: one event to a 50-event session's log (SQLite, fsync)
+    event_log = open_event_log(str(log_dir / "events.sqlite3"), retain_events=4096, durability="full")
+    count = event_log.replace("s:idle-gap", [str(i) for i in range(50)], [0] * 50, list(range(50)))
+
+    def append_one():
+        nonlocal count
+        t0 = time.perf_counter()
+        count = event_log.append_many([("s:idle-gap", count, [str(count)], [0], [count])])[0]
+        return (time.perf_counter() - t0) * 1e3
+
+    timed("log append", append_one)
+    event_log.close()
     shutil.rmtree(log_dir, ignore_errors=True)
     if args.out != "-":
         save_result(Path(args.out), rows, "perf.experiments.idle_gap", argv, load_start, checkpoint=str(args.checkpoint),
