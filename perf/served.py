@@ -60,6 +60,15 @@ def pct(samples_ms) -> dict:
             "p99_ms": float(np.percentile(a, 99)), "mean_ms": float(a.mean())}
 
 
+def overhead_ci95(served, in_process, floor, resamples: int = 2000, seed: int = 0) -> list:
+    """95% bootstrap interval of p50(served) - p50(in-process) - p50(floor): the rounds (one request
+    of each, measured in turn) resampled with replacement, so the three stay paired as measured."""
+    x = np.asarray([served, in_process, floor], dtype=float)  # [3, rounds]
+    rounds = np.random.default_rng(seed).integers(0, x.shape[1], (resamples, x.shape[1]))
+    p50 = np.median(x[:, rounds], axis=2)  # [3, resamples]
+    return np.percentile(p50[0] - p50[1] - p50[2], [2.5, 97.5]).tolist()
+
+
 # --------------------------------------------------------------------------------------------
 # perf_analyzer
 # --------------------------------------------------------------------------------------------
@@ -431,6 +440,7 @@ def latency_rows(model, data, url: str, floor_url: str, histories, options: dict
                 row["in_process_model_p50_ms"] = st["in_process_model"]["p50_ms"]
                 row["overhead_p50_ms"] = row["served_p50_ms"] - row["in_process_p50_ms"] - row["floor_p50_ms"]
                 row["overhead_vs_model_p50_ms"] = row["served_p50_ms"] - row["in_process_model_p50_ms"] - row["floor_p50_ms"]
+                row["overhead_p50_ci95_ms"] = overhead_ci95(samples["served"], samples["in_process"], samples["floor"])
                 row["overhead_vs_warm_p50_ms"] = row["served_p50_ms"] - row["in_process_warm_p50_ms"] - row["floor_p50_ms"]
                 row["goal_met"] = bool(row["overhead_p50_ms"] <= 1.0 and row["served_p99_ms"] <= 1.5 * row["served_p50_ms"])
                 rows.append(row)
@@ -445,9 +455,10 @@ def latency_rows(model, data, url: str, floor_url: str, histories, options: dict
                         b[f"served_{k}"] = sv[k]
                         b[f"floor_{k}"] = fl[k] if fl else None
                     breakdown.append(b)
+                lo, hi = row["overhead_p50_ci95_ms"]
                 log(f"  {kind:9s} history {n:4d}: served {row['served_p50_ms']:.2f} ms p50 / {row['served_p99_ms']:.2f} p99, "
                     f"in-process {row['in_process_p50_ms']:.2f}, floor {row['floor_p50_ms']:.2f}: "
-                    f"overhead {row['overhead_p50_ms']:+.2f} ms")
+                    f"overhead {row['overhead_p50_ms']:+.2f} ms (95% CI {lo:+.2f} to {hi:+.2f})")
         finally:
             served.close()
             floor.close()
@@ -609,7 +620,7 @@ def parse_args(argv=None):
     ap.add_argument("--mode", default="pfa")
     ap.add_argument("--pfa-k", type=int, default=256)
     ap.add_argument("--top-k", type=int, default=10)
-    ap.add_argument("--requests", type=int, default=100, help="requests per kind and history in (b)")
+    ap.add_argument("--requests", type=int, default=200, help="requests per kind and history in (b)")
     ap.add_argument("--ranker-backend", default="auto", choices=["auto", "torch", "onnx"],
                     help="served ranker runtime (torch = the same computation as in-process)")
     ap.add_argument("--torch-threads", type=int, default=1, help="per served instance, and in-process")

@@ -218,3 +218,18 @@ def test_in_process_request_writes_the_log_as_the_served_one_does(tmp_path):
     assert log.tail("s:in-process-append-2", 1).items == ["i19"]
     assert log.stats()["users"] == 2  # the recommend wrote nothing
     log.close()
+
+
+def test_overhead_interval_holds_the_p50_difference_and_narrows_with_less_noise():
+    import numpy as np
+
+    from perf.served import overhead_ci95
+
+    rng = np.random.default_rng(0)
+    noise = rng.normal(0, 1, (3, 200))
+    served, in_process, floor = 10 + noise[0], 6 + noise[1], 2 + 0.1 * noise[2]
+    point = np.median(served) - np.median(in_process) - np.median(floor)
+    lo, hi = overhead_ci95(served, in_process, floor)
+    assert lo < point < hi and 1.0 < lo and hi < 3.0
+    lo_quiet, hi_quiet = overhead_ci95(10 + 0.1 * noise[0], 6 + 0.1 * noise[1], floor)
+    assert hi_quiet - lo_quiet < (hi - lo) / 5
