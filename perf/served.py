@@ -7,9 +7,10 @@ model repository with the checkpoint published into it.
     throughput whose p99 stays under 50 ms;
 (b) latency per request kind (open, append, recommend) and history length (50, 512), beam 100
     ranked, top 10, one request at a time: the same work in-process (same torch threads as a
-    served instance), through the server, and through Triton's floor (perf/floor: the same
-    configs with no-op stages), one request of each in turn so that all three see the same
-    noise; with a per-stage breakdown from Triton's statistics (queue, compute input / infer /
+    served instance, the events written to a durable log as the server writes them), through
+    the server, and through Triton's floor (perf/floor: the same configs with no-op stages),
+    one request of each in turn so that all three see the same noise, with a 95% interval of
+    served - in-process - floor; with a per-stage breakdown from Triton's statistics (queue, compute input / infer /
     output) of the server and of the floor;
 (c) with --baseline-ref REF: the same checkpoint published and served by the code of commit REF,
     perf_analyzer at concurrency 8 against both servers in turn (throughput side by side);
