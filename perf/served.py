@@ -49,6 +49,13 @@ DEFAULT_CHECKPOINT = REPO_ROOT / "runs" / "demo" / "model.pt"
 LOCUST_VENV = REPO_ROOT / ".venv-locust"
 
 
+def scratch_parent() -> Path | None:
+    """Where the benchmarks make their temporary repositories and logs: runs/ when there is one
+    (beside the models, on their disk), else the system's temporary directory."""
+    runs = REPO_ROOT / "runs"
+    return runs if runs.is_dir() else None
+
+
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
@@ -289,8 +296,8 @@ class InProcess:
         torch.set_num_threads(threads)
         self.torch, self.model, self.options, self.top_k = torch, model, options, top_k
         self.raw, actions, ts = events
-        self.act, self.tim = torch.tensor([actions]), torch.tensor([ts])
         self.actions, self.timestamps = np.asarray(actions, dtype=np.int64), np.asarray(ts, dtype=np.int64)
+        self.act, self.tim = torch.from_numpy(self.actions)[None], torch.from_numpy(self.timestamps)[None]
         self.n = len(self.raw)
         self.log = open_event_log(str(log_path), retain_events=max(4096, model.cfg.max_seq_len), durability=durability)
         self.aside = self.n >= WRITE_ASIDE_EVENTS  # the open's write; an append's one event is written after
@@ -694,7 +701,7 @@ def main(argv=None) -> int:
                                 "instances": [serving.encoder_instances, serving.decoder_instances, serving.ranker_instances],
                                 "max_queue_delay_us": serving.max_queue_delay_us}}
     rows = []
-    work = Path(tempfile.mkdtemp(prefix="genrec-perf-", dir=REPO_ROOT / "runs" if (REPO_ROOT / "runs").is_dir() else None))
+    work = Path(tempfile.mkdtemp(prefix="genrec-perf-", dir=scratch_parent()))
     try:
         streams = session_streams(data, 64, open_hist, a.steps - 1)
         if not streams:

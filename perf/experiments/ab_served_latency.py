@@ -12,7 +12,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from perf.common import REPO_ROOT, host_load, log, save_result
+from perf.common import host_load, log, save_result
 from perf.experiments import bench_model_parser, served_settings
 
 KINDS = ("recommend", "append", "open")
@@ -26,7 +26,7 @@ def main(argv=None):
     ap.add_argument("--requests", type=int, default=200)
     args = ap.parse_args(argv)
 
-    from perf.served import ServedKinds, _per_request_ms, baseline_server, long_history, same_runtime_as_the_server
+    from perf.served import ServedKinds, _per_request_ms, baseline_server, long_history, same_runtime_as_the_server, scratch_parent
 
     same_runtime_as_the_server(argv, module="perf.experiments.ab_served_latency")
     from backend_src.data import load_dataset
@@ -38,7 +38,7 @@ def main(argv=None):
     options, serving = served_settings()
     names = (args.ref, "this")
     rows = []
-    with tempfile.TemporaryDirectory(prefix="genrec-ab-", dir=REPO_ROOT / "runs" if (REPO_ROOT / "runs").is_dir() else None) as tmp, \
+    with tempfile.TemporaryDirectory(prefix="genrec-ab-", dir=scratch_parent()) as tmp, \
             baseline_server(args.ref, args.checkpoint, Path(tmp), serving.visit_idle_s) as old, \
             local_server(args.checkpoint, serving) as new:
         urls = dict(zip(names, (old.grpc_url, new.grpc_url)))

@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 
 from backend_src.serving import protocol as P
-from perf.common import REPO_ROOT, host_load, log, save_result
+from perf.common import host_load, log, save_result
 from perf.experiments import bench_model_parser, served_settings
 
 # (kind, history) in the order they are sent; each kind's requests are one execute each
@@ -110,7 +110,7 @@ def main(argv=None):
     from backend_src.model.recommender import GenerativeRecommender
     from export.publish import publish
     from perf.floor import floor_server
-    from perf.served import long_history, same_runtime_as_the_server
+    from perf.served import long_history, same_runtime_as_the_server, scratch_parent
     from perf.served_eval import serve_repository
 
     same_runtime_as_the_server(None, module="perf.experiments.encoder_phases")
@@ -119,7 +119,7 @@ def main(argv=None):
     data = load_dataset(args.data, max_users=args.max_users)
     events, long_events = long_history(data, 50), long_history(data, 512)
     options, serving = served_settings()
-    with tempfile.TemporaryDirectory(prefix="genrec-phases-", dir=REPO_ROOT / "runs" if (REPO_ROOT / "runs").is_dir() else None) as tmp:
+    with tempfile.TemporaryDirectory(prefix="genrec-phases-", dir=scratch_parent()) as tmp:
         repo, times_file = Path(tmp) / "model_repository", Path(tmp) / "phases.json"
         publish(args.checkpoint, repo, serving)
         model_py = repo / P.ENCODER / "1" / "model.py"

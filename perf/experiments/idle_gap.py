@@ -40,7 +40,7 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=200)
     args = ap.parse_args(argv)
 
-    from perf.served import InProcess, long_history, same_runtime_as_the_server
+    from perf.served import InProcess, long_history, same_runtime_as_the_server, scratch_parent
 
     same_runtime_as_the_server(argv, module="perf.experiments.idle_gap")
     from backend_src.config import DecodeOptions
@@ -54,7 +54,7 @@ def main(argv=None):
     data = load_dataset(args.data, max_users=args.max_users)
     options = DecodeOptions(mode="pfa", beam_width=100, k=256, r=0.5, selection_step=1)
     rows = []
-    log_dir = Path(tempfile.mkdtemp(prefix="idle-gap-"))
+    log_dir = Path(tempfile.mkdtemp(prefix="genrec-idle-gap-", dir=scratch_parent()))
 
     def timed(name, run, **fields):
         """`run` (-> ms) under every condition, alternating; one row per condition."""

@@ -19,7 +19,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from backend_src.serving import protocol as P
-from perf.common import REPO_ROOT, host_load, log, save_result
+from perf.common import host_load, log, save_result
 from perf.experiments import bench_model_parser, served_settings
 
 STAGES = (P.ENCODER, P.DECODER, P.RANKER)
@@ -94,7 +94,7 @@ def main(argv=None):
     from backend_src.data import load_dataset
     from backend_src.model.recommender import GenerativeRecommender
     from perf.served import (baseline_server, perf_analyzer_env, perf_analyzer_usable, same_runtime_as_the_server,
-                             sequence_input_data, session_streams)
+                             scratch_parent, sequence_input_data, session_streams)
     from perf.floor import floor_server
     from perf.served_eval import local_server
 
@@ -104,7 +104,7 @@ def main(argv=None):
     data = load_dataset(args.data, max_users=args.max_users)
     cfg = GenerativeRecommender.load(args.checkpoint).cfg
     options, serving = served_settings()
-    work = Path(tempfile.mkdtemp(prefix="genrec-stage-cpu-", dir=REPO_ROOT / "runs" if (REPO_ROOT / "runs").is_dir() else None))
+    work = Path(tempfile.mkdtemp(prefix="genrec-stage-cpu-", dir=scratch_parent()))
     rows = []
     try:
         input_json = work / "perf_input.json"

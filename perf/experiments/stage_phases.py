@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 
 from backend_src.serving import protocol as P
-from perf.common import REPO_ROOT, host_load, log, save_result
+from perf.common import host_load, log, save_result
 from perf.experiments import bench_model_parser, served_settings
 from perf.experiments.encoder_phases import TIMERS
 
@@ -72,7 +72,7 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=300)
     args = ap.parse_args(argv)
 
-    from perf.served import compute_infer_ns, long_history, same_runtime_as_the_server
+    from perf.served import compute_infer_ns, long_history, same_runtime_as_the_server, scratch_parent
 
     same_runtime_as_the_server(argv, module="perf.experiments.stage_phases")
     import tritonclient.grpc as grpcclient
@@ -88,7 +88,7 @@ def main(argv=None):
     options, serving = served_settings()
     rows = []
     for n in args.histories:
-        with tempfile.TemporaryDirectory(prefix="genrec-stage-phases-", dir=REPO_ROOT / "runs" if (REPO_ROOT / "runs").is_dir() else None) as tmp:
+        with tempfile.TemporaryDirectory(prefix="genrec-stage-phases-", dir=scratch_parent()) as tmp:
             repo = Path(tmp) / "model_repository"
             publish(args.checkpoint, repo, serving)
             for stage, (methods, calls) in PHASES.items():
