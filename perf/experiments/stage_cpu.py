@@ -5,8 +5,12 @@ each stage's batching (requests per execution) and compute per execution from Tr
 for the floor (perf/floor: the real configs with no-op stages), what Triton and the Python stubs cost. With
 `--baseline-ref`, an earlier commit's code serves the same checkpoint beside this one (its own publish, as
 `make bench-served` does) and the two are measured in turn, `--rounds` times, so the host's drift hits both.
+With `--one-at-a-time N`, instead: N cached recommends sent one at a time from this process (no perf_analyzer,
+no statistics read in the window), and the CPU of this client process (its gRPC threads included) beside the
+server's: does Triton's own path cost the same when its stages do real work between its steps as the floor's?
 Run from the repository root (needs the benchmark model, `make bench-served` trains it):
     python -m perf.experiments.stage_cpu --baseline-ref OLD_COMMIT     # -> perf/results/stage_cpu.json
+    python -m perf.experiments.stage_cpu --one-at-a-time 500 --rounds 3 # -> perf/results/stage_cpu_one_at_a_time.json
     python -m perf.experiments.stage_cpu --quick --out -
 """
 import json
@@ -82,6 +86,49 @@ def measure(server, tag: str, input_json: Path, concurrency: int, steps: int, en
                 server_cpu_ms_per_request=sum(v for k, v in per_request.items() if k != "perf_analyzer"), stages=stages)
 
 
+def measure_one_at_a_time(server, tag: str, events: tuple, options: dict, requests: int) -> dict:
+    """CPU per request of the server's processes and of this client process over `requests` cached
+    recommends of one session sent one at a time, and their client-side p50."""
+    from clients.client import RecommenderClient
+
+    client = RecommenderClient(server.grpc_url)
+    session = f"stage-cpu-{tag}"
+    try:
+        client.open_session(session, *events, **options)
+        for _ in range(20):  # warm-up
+            client.recommend(session, **options)
+        cpu0, own0 = process_cpu_s(server.pid), os.times()
+        latency = [client.recommend(session, **options).latency_ms for _ in range(requests)]
+        cpu1, own1 = process_cpu_s(server.pid), os.times()
+        client.close_session(session)
+    finally:
+        client.close()
+    per_request = {role: (cpu1[role] - cpu0.get(role, 0.0)) * 1e3 / requests for role in cpu1}
+    per_request["client"] = (own1.user + own1.system - own0.user - own0.system) * 1e3 / requests
+    return dict(requests_counted=requests, p50_ms=statistics.median(latency), cpu_ms_per_request=per_request,
+                server_cpu_ms_per_request=sum(v for k, v in per_request.items() if k != "client"))
+
+
+def measure_in_process(model, events: tuple, requests: int, log_path: Path) -> dict:
+    """The same cached recommend's work done in this process (the served benchmark's in-process
+    request): its CPU and p50."""
+    from perf.served import InProcess
+
+    options, serving = served_settings()
+    local = InProcess(model, events, serving.decode, options["top_k"], serving.torch_threads, log_path, serving.log_durability)
+    try:
+        for _ in range(20):
+            local("recommend", parts=False)
+        own0 = os.times()
+        latency = [local("recommend", parts=False)["total"] for _ in range(requests)]
+        own1 = os.times()
+    finally:
+        local.close()
+    return dict(requests_counted=requests, p50_ms=statistics.median(latency),
+                cpu_ms_per_request={"client": (own1.user + own1.system - own0.user - own0.system) * 1e3 / requests},
+                server_cpu_ms_per_request=0.0)
+
+
 def main(argv=None):
     ap = bench_model_parser(__doc__, "stage_cpu.json")
     ap.add_argument("--concurrency", type=int, default=8)
@@ -89,12 +136,17 @@ def main(argv=None):
     ap.add_argument("--baseline-ref", default=None, help="an earlier commit measured in turn with this code")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--no-floor", dest="floor", action="store_false", help="skip the no-op ensemble")
+    ap.add_argument("--one-at-a-time", type=int, default=0, metavar="N",
+                    help="N cached recommends one at a time per round and history instead of perf_analyzer")
+    ap.add_argument("--histories", type=int, nargs="+", default=[50, 512], help="with --one-at-a-time")
     args = ap.parse_args(argv)
+    if args.one_at_a_time and args.out == ap.get_default("out"):
+        args.out = str(Path(args.out).with_name("stage_cpu_one_at_a_time.json"))
 
     from backend_src.data import load_dataset
     from backend_src.model.recommender import GenerativeRecommender
-    from perf.served import (baseline_server, perf_analyzer_env, perf_analyzer_usable, same_runtime_as_the_server,
-                             scratch_parent, sequence_input_data, session_streams)
+    from perf.served import (baseline_server, long_history, perf_analyzer_env, perf_analyzer_usable,
+                             same_runtime_as_the_server, scratch_parent, sequence_input_data, session_streams)
     from perf.floor import floor_server
     from perf.served_eval import local_server
 
@@ -102,7 +154,8 @@ def main(argv=None):
     rounds, interval_ms = (1, 1000) if args.quick else (args.rounds, 5000)
     load_start = host_load()
     data = load_dataset(args.data, max_users=args.max_users)
-    cfg = GenerativeRecommender.load(args.checkpoint).cfg
+    model = GenerativeRecommender.load(args.checkpoint)
+    cfg = model.cfg
     options, serving = served_settings()
     work = Path(tempfile.mkdtemp(prefix="genrec-stage-cpu-", dir=scratch_parent()))
     rows = []
@@ -111,7 +164,7 @@ def main(argv=None):
         input_json.write_text(json.dumps(sequence_input_data(session_streams(data, 64, 50, args.steps - 1), options)))
         env = perf_analyzer_env(work / "lib")
         ok, why = perf_analyzer_usable(env)
-        if not ok:
+        if not ok and not args.one_at_a_time:
             raise SystemExit(f"perf_analyzer is not usable here: {why}")
         with ExitStack() as stack:
             servers = {}
@@ -122,6 +175,17 @@ def main(argv=None):
             if args.floor:
                 servers["floor"] = stack.enter_context(floor_server(cfg, serving))
             for r in range(rounds):
+                if args.one_at_a_time:  # the servers one at a time, then the same work in this process
+                    for n in args.histories:
+                        events = long_history(data, n)
+                        for name, server in [*servers.items(), ("in_process", None)]:
+                            requests = 20 if args.quick else args.one_at_a_time
+                            row = (measure_in_process(model, events, requests, work / f"in-process-{r}-{n}.sqlite3")
+                                   if server is None else measure_one_at_a_time(server, f"{name}-{r}-{n}", events, options, requests))
+                            rows.append(dict(server=name, round=r, history=n, concurrency=1, **row))
+                            cpu = ", ".join(f"{k} {v:.2f}" for k, v in sorted(row["cpu_ms_per_request"].items()))
+                            log(f"{name} round {r + 1}, history {n}: p50 {row['p50_ms']:.2f} ms; CPU ms a request: {cpu}")
+                    continue
                 for i, (name, server) in enumerate(servers.items()):
                     row = measure(server, f"{name}_{r}", input_json, args.concurrency, args.steps, env, work, interval_ms,
                                   id_start=10_000_000 * (1 + r * len(servers) + i))
@@ -132,11 +196,13 @@ def main(argv=None):
     finally:
         shutil.rmtree(work, ignore_errors=True)
     summary = {}
-    for name in dict.fromkeys(r["server"] for r in rows):
-        mine = [r for r in rows if r["server"] == name]
-        summary[name] = dict(throughput_per_s=statistics.median(r["throughput_per_s"] for r in mine),
-                             cpu_ms_per_request={k: statistics.median(r["cpu_ms_per_request"].get(k, 0.0) for r in mine)
-                                                 for k in mine[0]["cpu_ms_per_request"]},
+    for name, history in dict.fromkeys((r["server"], r.get("history")) for r in rows):
+        mine = [r for r in rows if r["server"] == name and r.get("history") == history]
+        cpu = {k: statistics.median(r["cpu_ms_per_request"].get(k, 0.0) for r in mine) for k in mine[0]["cpu_ms_per_request"]}
+        if history is not None:  # one at a time: latency and CPU per history
+            summary[f"{name}, history {history}"] = dict(p50_ms=statistics.median(r["p50_ms"] for r in mine), cpu_ms_per_request=cpu)
+            continue
+        summary[name] = dict(throughput_per_s=statistics.median(r["throughput_per_s"] for r in mine), cpu_ms_per_request=cpu,
                              batch={s: statistics.median(r["stages"][s]["batch"] for r in mine) for s in STAGES})
     if args.baseline_ref:
         summary["throughput_ratio"] = summary["this"]["throughput_per_s"] / summary[args.baseline_ref]["throughput_per_s"]
