@@ -614,6 +614,24 @@ def throughput_at_p99(rows: list, limit_ms: float = 50.0) -> float | None:
     return max(ok) if ok else None
 
 
+def bisect_p99_limit(measure, rows: list, limit_ms: float = 50.0) -> list:
+    """Concurrencies between the highest measured one whose p99 stayed under `limit_ms` and the lowest
+    above it whose p99 did not, measured by halving that gap (`measure(c)` -> a perf_analyzer row, or
+    None when the run failed) until they are neighbours; p99 is taken to grow with concurrency.
+    Returns the new rows."""
+    new: list = []
+    while True:
+        done = [r for r in rows + new if r.get("p99_ms") is not None]
+        under = max((r["concurrency"] for r in done if r["p99_ms"] <= limit_ms), default=0)
+        over = min((r["concurrency"] for r in done if r["concurrency"] > under and r["p99_ms"] > limit_ms), default=None)
+        if over is None or over - under < 2:
+            return new
+        row = measure((under + over) // 2)
+        if row is None:
+            return new
+        new.append(row)
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="python -m perf.served", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -723,18 +741,25 @@ def main(argv=None) -> int:
                 log(f"perf_analyzer skipped: {why}")
                 result["perf_analyzer"] = {"skipped": why}
             else:
-                for i, c in enumerate(a.concurrency):
+                def at(c: int) -> dict | None:
                     log(f"perf_analyzer concurrency {c} ...")
                     try:
                         row = run_perf_analyzer(url, input_json, c, a.steps, env, work / f"pa_c{c}.csv", interval_ms,
-                                                id_start=1_000_000 * (i + 1))
+                                                id_start=1_000_000 * (len(pa_rows) + 1))
                     except (RuntimeError, subprocess.TimeoutExpired) as e:
                         log(str(e))
                         pa_rows.append({"concurrency": c, "error": str(e)[-500:]})
-                        continue
+                        return None
                     pa_rows.append(row)
                     rows.append({"part": "a", "what": f"perf_analyzer sequences, concurrency {c}", **{k: row[k] for k in
                                  ("concurrency", "throughput_per_s", "p50_ms", "p95_ms", "p99_ms")}})
+                    return row
+
+                for c in a.concurrency:
+                    at(c)
+                bisect_p99_limit(at, [r for r in pa_rows if "error" not in r])  # the concurrency at the 50 ms p99 limit
+                pa_rows.sort(key=lambda r: r["concurrency"])
+                rows.sort(key=lambda r: (r["part"], r.get("concurrency", 0)))
                 result["perf_analyzer"] = {"rows": pa_rows, "sequence": {"steps": a.steps, "open_events": f"<= {open_hist}",
                                            "append_events": 1, "sessions": len(streams)}, "interval_ms": interval_ms}
                 result["throughput_at_p99_50ms"] = throughput_at_p99([r for r in pa_rows if "error" not in r])

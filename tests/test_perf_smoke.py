@@ -233,3 +233,23 @@ def test_overhead_interval_holds_the_p50_difference_and_narrows_with_less_noise(
     assert lo < point < hi and 1.0 < lo and hi < 3.0
     lo_quiet, hi_quiet = overhead_ci95(10 + 0.1 * noise[0], 6 + 0.1 * noise[1], floor)
     assert hi_quiet - lo_quiet < (hi - lo) / 5
+
+
+def test_the_p99_limit_is_bisected_between_the_grid_points():
+    from perf.served import bisect_p99_limit, throughput_at_p99
+
+    measured = []
+
+    def measure(c):  # p99 10 ms a concurrency; c = 7 fails to run
+        measured.append(c)
+        return None if c == 7 else {"concurrency": c, "p99_ms": 10.0 * c, "throughput_per_s": 100.0 * c}
+
+    grid = [measure(c) for c in (1, 2, 4, 8, 16)]
+    measured.clear()
+    new = bisect_p99_limit(measure, grid, limit_ms=50.0)
+    assert measured == [6, 5] and [r["concurrency"] for r in new] == [6, 5]
+    assert throughput_at_p99(grid) == 400.0 and throughput_at_p99(grid + new) == 500.0
+    assert bisect_p99_limit(measure, grid + new, limit_ms=50.0) == []  # neighbours: nothing left to measure
+    measured.clear()
+    new = bisect_p99_limit(measure, grid, limit_ms=75.0)  # 6 passes, 7 fails to run: it stops there
+    assert measured == [6, 7] and [r["concurrency"] for r in new] == [6]
