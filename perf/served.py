@@ -3,7 +3,8 @@ model repository with the checkpoint published into it.
 
 (a) throughput and p50/p95/p99 latency under load: perf_analyzer drives the ``recommend``
     ensemble with sequences built from real user histories (each sequence: open with the
-    user's history, then one event per request), at several concurrencies; the highest
+    user's history, then one event per request), at several concurrencies, then at those between
+    the grid's highest whose p99 stays under 50 ms and the next (bisected); the highest
     throughput whose p99 stays under 50 ms;
 (b) latency per request kind (open, append, recommend) and history length (50, 512), beam 100
     ranked, top 10, one request at a time: the same work in-process (same torch threads as a
