@@ -204,7 +204,7 @@ def main(argv=None):
             continue
         summary[name] = dict(throughput_per_s=statistics.median(r["throughput_per_s"] for r in mine), cpu_ms_per_request=cpu,
                              batch={s: statistics.median(r["stages"][s]["batch"] for r in mine) for s in STAGES})
-    if args.baseline_ref:
+    if args.baseline_ref and not args.one_at_a_time:
         summary["throughput_ratio"] = summary["this"]["throughput_per_s"] / summary[args.baseline_ref]["throughput_per_s"]
         log(f"this / {args.baseline_ref}: {summary['throughput_ratio']:.3f}x")
     if args.out != "-":
