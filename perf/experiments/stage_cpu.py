@@ -86,6 +86,12 @@ def measure(server, tag: str, input_json: Path, concurrency: int, steps: int, en
                 server_cpu_ms_per_request=sum(v for k, v in per_request.items() if k != "perf_analyzer"), stages=stages)
 
 
+def own_cpu_s() -> float:
+    """CPU seconds (user + system) of this process, all its threads."""
+    t = os.times()
+    return t.user + t.system
+
+
 def measure_one_at_a_time(server, tag: str, events: tuple, options: dict, requests: int) -> dict:
     """CPU per request of the server's processes and of this client process over `requests` cached
     recommends of one session sent one at a time, and their client-side p50."""
@@ -97,35 +103,34 @@ def measure_one_at_a_time(server, tag: str, events: tuple, options: dict, reques
         client.open_session(session, *events, **options)
         for _ in range(20):  # warm-up
             client.recommend(session, **options)
-        cpu0, own0 = process_cpu_s(server.pid), os.times()
+        cpu0, own0 = process_cpu_s(server.pid), own_cpu_s()
         latency = [client.recommend(session, **options).latency_ms for _ in range(requests)]
-        cpu1, own1 = process_cpu_s(server.pid), os.times()
+        cpu1, own1 = process_cpu_s(server.pid), own_cpu_s()
         client.close_session(session)
     finally:
         client.close()
     per_request = {role: (cpu1[role] - cpu0.get(role, 0.0)) * 1e3 / requests for role in cpu1}
-    per_request["client"] = (own1.user + own1.system - own0.user - own0.system) * 1e3 / requests
+    per_request["client"] = (own1 - own0) * 1e3 / requests
     return dict(requests_counted=requests, p50_ms=statistics.median(latency), cpu_ms_per_request=per_request,
                 server_cpu_ms_per_request=sum(v for k, v in per_request.items() if k != "client"))
 
 
-def measure_in_process(model, events: tuple, requests: int, log_path: Path) -> dict:
+def measure_in_process(model, events: tuple, serving, requests: int, log_path: Path) -> dict:
     """The same cached recommend's work done in this process (the served benchmark's in-process
     request): its CPU and p50."""
     from perf.served import InProcess
 
-    options, serving = served_settings()
-    local = InProcess(model, events, serving.decode, options["top_k"], serving.torch_threads, log_path, serving.log_durability)
+    local = InProcess(model, events, serving.decode, serving.top_k, serving.torch_threads, log_path, serving.log_durability)
     try:
         for _ in range(20):
             local("recommend", parts=False)
-        own0 = os.times()
+        own0 = own_cpu_s()
         latency = [local("recommend", parts=False)["total"] for _ in range(requests)]
-        own1 = os.times()
+        own1 = own_cpu_s()
     finally:
         local.close()
     return dict(requests_counted=requests, p50_ms=statistics.median(latency),
-                cpu_ms_per_request={"client": (own1.user + own1.system - own0.user - own0.system) * 1e3 / requests},
+                cpu_ms_per_request={"client": (own1 - own0) * 1e3 / requests},
                 server_cpu_ms_per_request=0.0)
 
 
@@ -176,11 +181,11 @@ def main(argv=None):
                 servers["floor"] = stack.enter_context(floor_server(cfg, serving))
             for r in range(rounds):
                 if args.one_at_a_time:  # the servers one at a time, then the same work in this process
+                    requests = 20 if args.quick else args.one_at_a_time
                     for n in args.histories:
                         events = long_history(data, n)
                         for name, server in [*servers.items(), ("in_process", None)]:
-                            requests = 20 if args.quick else args.one_at_a_time
-                            row = (measure_in_process(model, events, requests, work / f"in-process-{r}-{n}.sqlite3")
+                            row = (measure_in_process(model, events, serving, requests, work / f"in-process-{r}-{n}.sqlite3")
                                    if server is None else measure_one_at_a_time(server, f"{name}-{r}-{n}", events, options, requests))
                             rows.append(dict(server=name, round=r, history=n, concurrency=1, **row))
                             cpu = ", ".join(f"{k} {v:.2f}" for k, v in sorted(row["cpu_ms_per_request"].items()))
