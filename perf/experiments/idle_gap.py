@@ -6,7 +6,8 @@ served benchmark: beam 100, PFA k 256, top 10), and the encoder's durable log wr
 with fsync), right after:
   - nothing (back to back);
   - a sleep of 1, 5 or 20 ms (the vCPU idles);
-  - 20 ms of spinning on the clock (the same time passes, the vCPU stays busy).
+  - 20 ms of spinning on the clock (the same time passes, the vCPU stays busy);
+  - 20 ms of reading the model's weights over and over (the same time passes, the weights stay in the caches).
 Conditions alternate request by request, so drift of the host cancels in the ratios. Run from the repository root
 (needs the benchmark model, `make bench-served` trains it):
     python -m perf.experiments.idle_gap            # -> perf/results/idle_gap.json
@@ -22,16 +23,17 @@ from perf.common import host_load, log, save_result
 from perf.experiments import bench_model_parser
 
 CONDITIONS = (("back to back", None, 0.0), ("sleep 1 ms", "sleep", 0.001), ("sleep 5 ms", "sleep", 0.005),
-              ("sleep 20 ms", "sleep", 0.020), ("spin 20 ms", "spin", 0.020))
+              ("sleep 20 ms", "sleep", 0.020), ("spin 20 ms", "spin", 0.020), ("read weights 20 ms", "read weights", 0.020))
 
 
-def pause(how, seconds: float) -> None:
+def pause(how, seconds: float, weights=()) -> None:
     if how == "sleep":
         time.sleep(seconds)
-    elif how == "spin":
+    elif how in ("spin", "read weights"):
         end = time.perf_counter() + seconds
         while time.perf_counter() < end:
-            pass
+            for w in weights if how == "read weights" else ():
+                w.sum()
 
 
 def main(argv=None):
@@ -56,6 +58,9 @@ def main(argv=None):
     rows = []
     log_dir = Path(tempfile.mkdtemp(prefix="genrec-idle-gap-", dir=scratch_parent()))
 
+    # every parameter and buffer of the model, as the recommend reads them (item table, codebooks, heads)
+    weights = [t.detach() for t in (*model.parameters(), *model.buffers()) if t.is_floating_point()]
+
     def timed(name, run, **fields):
         """`run` (-> ms) under every condition, alternating; one row per condition."""
         for _ in range(10):  # warm-up
@@ -64,14 +69,14 @@ def main(argv=None):
         for _ in range(reps):
             for condition, how, seconds in CONDITIONS:
                 run()  # every condition follows the same work
-                pause(how, seconds)
+                pause(how, seconds, weights)
                 times[condition].append(run())
         base = statistics.median(times["back to back"])
         for condition, how, seconds in CONDITIONS:
             p50 = statistics.median(times[condition])
             rows.append(dict(work=name, **fields, condition=condition, pause=how or "none", pause_ms=seconds * 1e3,
                              reps=reps, p50_ms=p50, ratio_to_back_to_back=p50 / base))
-            log(f"{name} {fields}, {condition:12s}: {p50:.3f} ms p50 ({p50 / base:.2f}x back to back)")
+            log(f"{name} {fields}, {condition:18s}: {p50:.3f} ms p50 ({p50 / base:.2f}x back to back)")
 
     for n in args.histories:
         work = InProcess(model, long_history(data, min(n, model.cfg.max_seq_len)), options, top_k=10, threads=1,
