@@ -366,12 +366,12 @@ class ServedKinds:
     """The same three request kinds through a server, one at a time, with Triton's statistics read
     around each timed request (so setup requests are not counted)."""
 
-    def __init__(self, url: str, events: tuple, options: dict, tag: str):
+    def __init__(self, url: str, events: tuple, options: dict, tag: str, model: str = P.ENSEMBLE):
         import tritonclient.grpc as grpcclient
 
         from clients.client import RecommenderClient
 
-        self.client = RecommenderClient(url)
+        self.client = RecommenderClient(url, model=model)
         self.stats_client = grpcclient.InferenceServerClient(url)
         self.events, self.options, self.tag, self.i = events, options, tag, 0
         items, actions, ts = events
