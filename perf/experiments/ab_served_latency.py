@@ -19,6 +19,26 @@ KINDS = ("recommend", "append", "open")
 STAGE_PARTS = ("compute_input", "compute_infer", "compute_output")
 
 
+def in_turn(clients: dict, kind: str, reps: int, warmup: int) -> tuple:
+    """`kind` sent through each of `clients` (name -> perf.served.ServedKinds) in turn, alternating which goes first:
+    after `warmup` rounds, name -> the latencies (ms), and name -> {model: Triton compute per request (ms)}."""
+    from perf.served import _per_request_ms
+
+    names = list(clients)
+    latency = {name: [] for name in names}
+    for i in range(warmup + reps):
+        if i == warmup:  # Triton's statistics from here on
+            for c in clients.values():
+                c.stats.pop(kind, None)
+        for name in (names if i % 2 == 0 else names[::-1]):
+            ms = clients[name](kind)
+            if i >= warmup:
+                latency[name].append(ms)
+    stages = {name: {m: sum(v[p] for p in STAGE_PARTS) for m, v in _per_request_ms(clients[name].stats[kind]).items()}
+              for name in names}
+    return latency, stages
+
+
 def main(argv=None):
     ap = bench_model_parser(__doc__, "ab_served_latency.json")
     ap.add_argument("ref", help="the earlier commit")
@@ -26,7 +46,7 @@ def main(argv=None):
     ap.add_argument("--requests", type=int, default=200)
     args = ap.parse_args(argv)
 
-    from perf.served import ServedKinds, _per_request_ms, baseline_server, long_history, same_runtime_as_the_server, scratch_parent
+    from perf.served import ServedKinds, baseline_server, long_history, same_runtime_as_the_server, scratch_parent
 
     same_runtime_as_the_server(argv, module="perf.experiments.ab_served_latency")
     from backend_src.data import load_dataset
@@ -46,17 +66,7 @@ def main(argv=None):
             events = long_history(data, n)
             clients = {name: ServedKinds(url, events, options, tag=f"ab-{name}-{n}") for name, url in urls.items()}
             for kind in KINDS:
-                latency = {name: [] for name in names}
-                for i in range(warmup + reps):
-                    if i == warmup:  # Triton's statistics from here on
-                        for c in clients.values():
-                            c.stats.pop(kind, None)
-                    for name in (names if i % 2 == 0 else names[::-1]):
-                        ms = clients[name](kind)
-                        if i >= warmup:
-                            latency[name].append(ms)
-                stages = {name: {m: sum(v[p] for p in STAGE_PARTS) for m, v in _per_request_ms(clients[name].stats[kind]).items()}
-                          for name in names}
+                latency, stages = in_turn(clients, kind, reps, warmup)
                 diff = statistics.median(b - a for a, b in zip(*(latency[name] for name in names)))
                 row = dict(kind=kind, history=n, requests=reps, paired_diff_p50_ms=diff,
                            **{f"{name}_p50_ms": statistics.median(latency[name]) for name in names},

@@ -17,7 +17,7 @@ from pathlib import Path
 from backend_src.serving import protocol as P
 from perf.common import host_load, log, save_result
 from perf.experiments import bench_model_parser, served_settings
-from perf.experiments.ab_served_latency import KINDS, STAGE_PARTS
+from perf.experiments.ab_served_latency import KINDS, in_turn
 
 MERGED = "decode_and_rank"
 MERGED_ENSEMBLE = "recommend_two_stages"
@@ -102,7 +102,7 @@ def main(argv=None):
     ap.add_argument("--requests", type=int, default=200)
     args = ap.parse_args(argv)
 
-    from perf.served import ServedKinds, _per_request_ms, long_history, same_runtime_as_the_server, scratch_parent
+    from perf.served import ServedKinds, long_history, same_runtime_as_the_server, scratch_parent
 
     same_runtime_as_the_server(argv, module="perf.experiments.merged_stages")
     from backend_src.data import load_dataset
@@ -126,18 +126,8 @@ def main(argv=None):
                 clients = {name: ServedKinds(server.grpc_url, events, options, tag=f"merged-{name}-{n}", model=model)
                            for name, model in ensembles.items()}
                 for kind in KINDS:
-                    latency = {name: [] for name in ensembles}
-                    for i in range(warmup + reps):
-                        if i == warmup:  # Triton's statistics from here on
-                            for c in clients.values():
-                                c.stats.pop(kind, None)
-                        for name in (list(ensembles) if i % 2 == 0 else list(ensembles)[::-1]):
-                            ms = clients[name](kind)
-                            if i >= warmup:
-                                latency[name].append(ms)
-                    stages = {name: {m: sum(v[p] for p in STAGE_PARTS) for m, v in _per_request_ms(clients[name].stats[kind]).items()
-                                     if m not in ensembles.values()}
-                              for name in ensembles}
+                    latency, stages = in_turn(clients, kind, reps, warmup)
+                    stages = {name: {m: t for m, t in per_model.items() if m not in ensembles.values()} for name, per_model in stages.items()}
                     diff = statistics.median(b - a for a, b in zip(latency["three_stages"], latency["two_stages"]))
                     row = dict(kind=kind, history=n, requests=reps, paired_diff_p50_ms=diff,
                                **{f"{name}_p50_ms": statistics.median(v) for name, v in latency.items()}, stages_ms=stages)
