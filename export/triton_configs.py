@@ -167,27 +167,28 @@ def decoder_config(cfg: ModelConfig, opt: ServingOptions) -> str:
     )
 
 
-def ranker_config(cfg: ModelConfig, opt: ServingOptions) -> str:
+def ranker_config(cfg: ModelConfig, opt: ServingOptions, contract: P.ModelContract = P.RANKER_CONTRACT) -> str:
     sizes = P.model_sizes(cfg)
     params = _common_params(cfg, opt) | {"ranker_microbatch": opt.ranker_microbatch, "ranker_backend": opt.ranker_backend,
                                            "rank_by": opt.rank_by}
     return (
-        _header(P.RANKER, opt.ranker_max_batch_size, opt.ranker_instances)
-        + _io(P.RANKER_CONTRACT, sizes)
+        _header(contract.name, opt.ranker_max_batch_size, opt.ranker_instances)
+        + _io(contract, sizes)
         + f"dynamic_batching {{\n  max_queue_delay_microseconds: {opt.max_queue_delay_us}\n}}\n"
         + _parameters(params)
     )
 
 
-def ensemble_config(cfg: ModelConfig, opt: ServingOptions) -> str:
+def ensemble_config(cfg: ModelConfig, opt: ServingOptions, name: str = P.ENSEMBLE, wiring: tuple = P.ENSEMBLE_STEPS) -> str:
+    """The ensemble `name` over `wiring`: (model, its inputs, its outputs) per step, tensors named alike throughout."""
     sizes = P.model_sizes(cfg)
     steps = []
-    for model, ins, outs in P.ENSEMBLE_STEPS:
+    for model, ins, outs in wiring:
         imap = "\n".join(f'      input_map {{ key: "{n}" value: "{n}" }}' for n in ins)
         omap = "\n".join(f'      output_map {{ key: "{n}" value: "{n}" }}' for n in outs)
         steps.append(f'    {{\n      model_name: "{model}"\n      model_version: -1\n{imap}\n{omap}\n    }}')
     return (
-        f'name: "{P.ENSEMBLE}"\nplatform: "ensemble"\nmax_batch_size: 1\n'
+        f'name: "{name}"\nplatform: "ensemble"\nmax_batch_size: 1\n'
         + _io(P.ENSEMBLE_CONTRACT, sizes, ensemble=True)
         + "ensemble_scheduling {\n  step [\n" + ",\n".join(steps) + "\n  ]\n}\n"
     )

@@ -79,21 +79,10 @@ def add_two_stage_ensemble(repo: Path, cfg, serving) -> None:
     shutil.copy(repo / P.DECODER / "1" / "model.py", version / "decoder_model.py")
     (version / "model.py").rename(version / "ranker_model.py")
     (version / "model.py").write_text(MERGED_MODEL_PY)
-    sizes = P.model_sizes(cfg)
-    params = T._common_params(cfg, serving) | {"ranker_microbatch": serving.ranker_microbatch,
-                                                "ranker_backend": serving.ranker_backend, "rank_by": serving.rank_by}
-    T.atomic_write(repo / MERGED / "config.pbtxt",
-                   T._header(MERGED, serving.ranker_max_batch_size, serving.ranker_instances) + T._io(MERGED_CONTRACT, sizes)
-                   + f"dynamic_batching {{\n  max_queue_delay_microseconds: {serving.max_queue_delay_us}\n}}\n" + T._parameters(params))
-    steps = []
-    for contract in (P.ENCODER_CONTRACT, MERGED_CONTRACT):
-        maps = [f'      input_map {{ key: "{t.name}" value: "{t.name}" }}' for t in contract.inputs]
-        maps += [f'      output_map {{ key: "{t.name}" value: "{t.name}" }}' for t in contract.outputs]
-        steps.append(f'    {{\n      model_name: "{contract.name}"\n      model_version: -1\n' + "\n".join(maps) + "\n    }")
+    T.atomic_write(repo / MERGED / "config.pbtxt", T.ranker_config(cfg, serving, contract=MERGED_CONTRACT))
+    wiring = [(c.name, [t.name for t in c.inputs], [t.name for t in c.outputs]) for c in (P.ENCODER_CONTRACT, MERGED_CONTRACT)]
     (repo / MERGED_ENSEMBLE / "1").mkdir(parents=True)
-    T.atomic_write(repo / MERGED_ENSEMBLE / "config.pbtxt",
-                   f'name: "{MERGED_ENSEMBLE}"\nplatform: "ensemble"\nmax_batch_size: 1\n' + T._io(P.ENSEMBLE_CONTRACT, sizes, ensemble=True)
-                   + "ensemble_scheduling {\n  step [\n" + ",\n".join(steps) + "\n  ]\n}\n")
+    T.atomic_write(repo / MERGED_ENSEMBLE / "config.pbtxt", T.ensemble_config(cfg, serving, name=MERGED_ENSEMBLE, wiring=wiring))
 
 
 def main(argv=None):
