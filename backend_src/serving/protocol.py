@@ -190,13 +190,13 @@ ENSEMBLE_CONTRACT = ModelContract(
 )
 CONTRACTS = {c.name: c for c in (ENCODER_CONTRACT, DECODER_CONTRACT, RANKER_CONTRACT, ENSEMBLE_CONTRACT)}
 
-# The ensemble's wiring: step model -> ({model input: ensemble tensor}, {model output: ensemble tensor}).
-# Ensemble tensors are named like the model tensors, so each map is the identity on names.
-ENSEMBLE_STEPS = (
-    (ENCODER, [t.name for t in ENCODER_CONTRACT.inputs], [t.name for t in ENCODER_CONTRACT.outputs]),
-    (DECODER, [t.name for t in DECODER_CONTRACT.inputs], [t.name for t in DECODER_CONTRACT.outputs]),
-    (RANKER, [t.name for t in RANKER_CONTRACT.inputs], [t.name for t in RANKER_CONTRACT.outputs]),
-)
+def ensemble_steps(*contracts: ModelContract) -> tuple:
+    """An ensemble's wiring: (model, its input names, its output names) per step, in order. Ensemble tensors are
+    named like the model tensors, so each step's maps are the identity on names."""
+    return tuple((c.name, [t.name for t in c.inputs], [t.name for t in c.outputs]) for c in contracts)
+
+
+ENSEMBLE_STEPS = ensemble_steps(ENCODER_CONTRACT, DECODER_CONTRACT, RANKER_CONTRACT)
 
 # Request status codes carried by validation errors (gRPC names)
 INVALID_ARGUMENT = "INVALID_ARGUMENT"

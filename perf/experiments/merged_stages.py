@@ -80,9 +80,9 @@ def add_two_stage_ensemble(repo: Path, cfg, serving) -> None:
     (version / "model.py").rename(version / "ranker_model.py")
     (version / "model.py").write_text(MERGED_MODEL_PY)
     T.atomic_write(repo / MERGED / "config.pbtxt", T.ranker_config(cfg, serving, contract=MERGED_CONTRACT))
-    wiring = [(c.name, [t.name for t in c.inputs], [t.name for t in c.outputs]) for c in (P.ENCODER_CONTRACT, MERGED_CONTRACT)]
     (repo / MERGED_ENSEMBLE / "1").mkdir(parents=True)
-    T.atomic_write(repo / MERGED_ENSEMBLE / "config.pbtxt", T.ensemble_config(cfg, serving, name=MERGED_ENSEMBLE, wiring=wiring))
+    T.atomic_write(repo / MERGED_ENSEMBLE / "config.pbtxt", T.ensemble_config(
+        cfg, serving, name=MERGED_ENSEMBLE, wiring=P.ensemble_steps(P.ENCODER_CONTRACT, MERGED_CONTRACT)))
 
 
 def main(argv=None):
