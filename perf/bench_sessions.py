@@ -15,7 +15,8 @@ log-cost: what the event log adds to a request. Three servers run side by side, 
 
 faults: four client threads keep sessions going (open, then one event a request) while one
     fault is injected: a publish of every model, a rollback, the SIGKILL of each stage's stub,
-    client timeouts followed by retries, and the request whose shape overflows. Each row:
+    client timeouts followed by retries, the request whose shape overflows, and a crash of
+    tritonserver itself (SIGSEGV; its watchdog starts it again, as `server start` sets it up). Each row:
     failed requests (calls that raised after the client library's retries), sessions lost,
     events lost and applied twice (each session's log against what its client sent), and the
     longest time without a successful request after the fault (recovery_s).
@@ -28,7 +29,9 @@ faults: four client threads keep sessions going (open, then one event a request)
 from __future__ import annotations
 
 import argparse
+import os
 import re
+import signal
 import threading
 import time
 import urllib.request
@@ -286,7 +289,7 @@ def log_cost(a) -> list:
 
 
 FAULTS = ("publish", "rollback", "stub_kill_history_encoder", "stub_kill_pfa_decoder", "stub_kill_mfalcon_ranker",
-          "retry_after_timeout", "oversized_shape")
+          "retry_after_timeout", "oversized_shape", "server_crash")
 
 
 def stub_pid(model: str) -> int | None:
@@ -462,7 +465,8 @@ def faults(a) -> list:
                 pub.publish(v2, repo, options)  # v2 serves; the rollback goes back to v1
             log_url = str(repo.parent / f"{repo.name}-events" / "events.sqlite3")
             server = TritonServer(repo, free_port(), free_port(), free_port(), log_file=tmp / f"{fault}.log",
-                                  exit_timeout_s=5, watchdog=True, admin_key=secrets.token_urlsafe(32))
+                                  exit_timeout_s=5, watchdog=True, admin_key=secrets.token_urlsafe(32),
+                                  pid_file=tmp / f"{fault}.pid", restart=True)
             server.start(timeout_s=180)
             note = ""
             try:
@@ -480,6 +484,9 @@ def faults(a) -> list:
                         note = f"SIGKILL stub pid {pid}"
                     elif fault == "oversized_shape":
                         note = overflow_request(server.grpc_url)
+                    elif fault == "server_crash":
+                        os.kill(server.pid, signal.SIGSEGV)
+                        note = f"SIGSEGV tritonserver pid {server.pid}"
                     time.sleep(a.seconds)
                 rec = load.longest_gap_after(t_fault)
                 check = load.check(log_url)
@@ -496,9 +503,6 @@ def faults(a) -> list:
 
 
 def os_kill(pid: int | None) -> None:
-    import os
-    import signal
-
     if pid is None:
         raise RuntimeError("no stub process found for the model")
     os.kill(pid, signal.SIGKILL)

@@ -1,5 +1,6 @@
-"""Operating the server: self-healing after a stub dies, only inference open without the admin
-key, loopback-only by default, a fast clean stop with sessions open.
+"""Operating the server: self-healing after a stub dies and after the server itself crashes, only
+inference open without the admin key, loopback-only by default, a fast clean stop with sessions
+open.
 
 The server is started the way an operator starts it (`python -m backend_src.serving.server
 start`, a command that returns while the server and its watchdog keep running), with a tiny
@@ -36,6 +37,7 @@ from serving_helpers import build_tiny_checkpoint, require_tritonserver  # noqa:
 ROOT = Path(__file__).resolve().parents[1]
 NUM_ITEMS = 60
 RECOVERY_BOUND_S = 15.0  # kill -> `recommend` answers again, with no call from the test
+RESTART_BOUND_S = 90.0  # server crash -> a new server ready (a full start: models load again)
 STOP_BOUND_S = 8.0
 
 
@@ -185,10 +187,11 @@ def cli_server(repo, tmp_path_factory):
         "key": (run / "admin.key").read_text().strip(), "grpc_url": f"127.0.0.1:{ports['grpc']}",
         "http_url": f"127.0.0.1:{ports['http']}", "ready_url": f"http://127.0.0.1:{ports['ready']}",
     }
+    current = json.loads(pid_file.read_text()) if pid_file.exists() else info
     if pid_file.exists():
         server_cli("stop", *common, env=clean_env())
     # whatever a failed test left behind (checked by command line: a pid may be reused)
-    for pid, marker in ((info["watchdog_pid"], b"serving.watchdog"), (info["pid"], b"tritonserver")):
+    for pid, marker in ((info["watchdog_pid"], b"serving.watchdog"), (current["pid"], b"tritonserver")):
         try:
             ours = running(pid) and marker in Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
@@ -379,6 +382,48 @@ def test_watchdog_heals_after_an_overflowing_request(cli_server):
         client.close()
 
 
+def test_watchdog_restarts_a_crashed_server(cli_server):
+    """tritonserver itself dies as a crash kills it (SIGSEGV): the watchdog starts it again on
+    the same ports, the pid file follows, and a session carries on from the log with every
+    acknowledged event exactly once."""
+    from clients.client import RecommenderClient
+
+    pid_file = cli_server["pid_file"]
+    old = json.loads(pid_file.read_text())["pid"]
+    with RecommenderClient(cli_server["grpc_url"], timeout_s=10, retries=2) as client:
+        client.open_session("crashed", ["sku-1", "sku-2", "sku-3"], timestamps=[10, 20, 30])
+        client.append("crashed", ["sku-4"], timestamps=[40])
+        assert client.event_count("crashed") == 4
+        os.kill(old, signal.SIGSEGV)
+        crashed_at = time.monotonic()
+        while True:  # a new server, ready
+            elapsed = time.monotonic() - crashed_at
+            assert elapsed < RESTART_BOUND_S, (elapsed, (cli_server["run"] / "watchdog.log").read_text()[-2000:])
+            new = json.loads(pid_file.read_text())["pid"]
+            status, body = get(cli_server["ready_url"] + "/ready")
+            if new != old and status == 200:
+                break
+            time.sleep(0.5)
+        print(f"crashed server: a new one ready {elapsed:.1f} s after the crash")
+        assert not running(old) and running(new) and b"tritonserver" in Path(f"/proc/{new}/cmdline").read_bytes()
+        assert body["server_restarts"] == 1 and not body["server_restarting"], body
+        # same ports, same admin key, loopback only
+        for name, port in cli_server["ports"].items():
+            assert _listening(port) == {"127.0.0.1"}, (name, port)
+        with pytest.raises(InferenceServerException, match="restricted"):
+            grpcclient.InferenceServerClient(cli_server["grpc_url"]).unload_model(P.ENSEMBLE)
+        # the session resumes from the log: nothing lost, nothing applied twice
+        client.append("crashed", ["sku-5"], timestamps=[50])
+        assert client.event_count("crashed") == 5
+    with RecommenderClient(cli_server["grpc_url"], timeout_s=10) as fresh:
+        fresh.resume("crashed")
+        assert fresh.event_count("crashed") == 5
+    r = server_cli("status", *cli_server["common"], env=clean_env())
+    assert r.returncode == 0 and json.loads(r.stdout)["pid"] == new, r.stdout
+    assert "tritonserver restarted" in (cli_server["run"] / "watchdog.log").read_text()
+    cli_server["info"] = json.loads(pid_file.read_text())
+
+
 def test_cli_stop_with_open_sessions_is_fast(cli_server, repo):
     info = cli_server["info"]
     client = grpcclient.InferenceServerClient(cli_server["grpc_url"])
@@ -420,3 +465,27 @@ def test_class_with_watchdog_stops_by_sigterm_with_open_sessions(repo, tmp_path)
     assert server.watchdog_process.returncode is not None  # stopped first, by us
     assert code is not None and code != -signal.SIGKILL, code  # the server's own exit after SIGTERM
     assert took < STOP_BOUND_S, took
+
+
+def test_class_stop_after_a_restart_stops_the_new_server(repo, tmp_path):
+    """With restart on, stop() ends the server the watchdog started in place of a crashed one
+    (not only the one it started itself), and leaves no pid or launch file."""
+    pid_file = tmp_path / "tritonserver.pid"
+    server = TritonServer(
+        repo, free_port(), free_port(), free_port(), log_file=tmp_path / "tritonserver.log",
+        admin_key="k" * 32, watchdog=True, ready_port=free_port(), pid_file=pid_file, restart=True,
+    )
+    server.start(timeout_s=120)
+    try:
+        launch = pid_file.with_suffix(".launch.json")
+        assert launch.stat().st_mode & 0o777 == 0o600
+        os.kill(server.pid, signal.SIGSEGV)
+        deadline = time.monotonic() + RESTART_BOUND_S
+        while json.loads(pid_file.read_text())["pid"] == server.pid or get(server.ready_url + "/ready")[0] != 200:
+            assert time.monotonic() < deadline, (tmp_path / "watchdog.log").read_text()[-2000:]
+            time.sleep(0.5)
+        new = json.loads(pid_file.read_text())["pid"]
+        assert server.process.wait(5) == -signal.SIGSEGV and running(new)
+    finally:
+        server.stop()
+    assert not running(new) and not pid_file.exists() and not launch.exists()

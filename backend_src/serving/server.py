@@ -17,7 +17,8 @@ on model loading/unloading, shared memory, trace and logging. The key comes from
 GENREC_ADMIN_KEY or a key file (default ``admin.key`` beside the pid file, created with mode
 0600 at the first start). ``start`` also runs the stub watchdog (``serving/watchdog.py``) as a
 process of its own: it reloads a model whose Python stub died and serves ``GET /ready`` and
-``GET /live`` on ``--ready-port``. ``stop`` stops the watchdog, then the server.
+``GET /live`` on ``--ready-port``, and starts tritonserver again, the same way, when it exits
+by any other way than ``stop`` (a crash). ``stop`` stops the watchdog, then the server.
 """
 from __future__ import annotations
 
@@ -162,6 +163,35 @@ def admin_headers(key: str | None, protocol: str = "grpc") -> dict | None:
 # --------------------------------------------------------------------------------------------
 # The server
 # --------------------------------------------------------------------------------------------
+def launch(argv: list, env: dict, log_file, cwd=None) -> subprocess.Popen:
+    """Start tritonserver in a session of its own (our signals, not the terminal's), its output
+    appended to `log_file`. The one way the server is started, first and after a crash."""
+    with open(log_file, "ab") as log:
+        return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                cwd=cwd, start_new_session=True)
+
+
+def read_pid_file(pid_file) -> dict | None:
+    try:
+        return json.loads(Path(pid_file).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def update_pid_file(pid_file, **fields) -> None:
+    """Set fields of the pid file's JSON, atomically (readers see the old or the new file)."""
+    pid_file = Path(pid_file)
+    info = {**(read_pid_file(pid_file) or {}), **fields}
+    tmp = pid_file.with_name(f".{pid_file.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(info))
+    os.replace(tmp, pid_file)
+
+
+def launch_file(pid_file) -> Path:
+    """Where the command and environment that started the server are kept, for a restart."""
+    return Path(pid_file).with_suffix(".launch.json")
+
+
 class TritonServer:
     """One tritonserver process (and, with `watchdog=True`, its stub watchdog process).
     Use as a context manager, or call start()/stop().
@@ -169,7 +199,10 @@ class TritonServer:
     `admin_key`: None leaves every API open (for tests and tools that own the server); with a
     key, model repository, shared memory, trace and logging calls need it (the CLI always sets
     one). `address`: where gRPC, HTTP and metrics listen. `reap_children`: run the server so
-    that dead stub processes do not stay zombies."""
+    that dead stub processes do not stay zombies. `pid_file`: JSON with the server's pid and
+    ports, written once it is ready and kept current. `restart` (needs the watchdog and a
+    pid file): the watchdog starts the server again, with the same command and environment,
+    when it exits while the watchdog runs (a crash); it writes the new pid to the pid file."""
 
     def __init__(
         self,
@@ -191,7 +224,11 @@ class TritonServer:
         reap_children: bool = True,
         watchdog_interval_s: float = 0.5,
         watchdog_probe_interval_s: float = 30.0,
+        pid_file=None,
+        restart: bool = False,
     ):
+        if restart and not (watchdog and pid_file):
+            raise ValueError("restart needs the watchdog and a pid file")
         self.model_repository = Path(model_repository).resolve()
         self.grpc_port, self.http_port, self.metrics_port = int(grpc_port), int(http_port), int(metrics_port)
         self.log_file = Path(log_file) if log_file else self.model_repository.parent / "runs" / "tritonserver.log"
@@ -208,6 +245,8 @@ class TritonServer:
         self.reap_children = reap_children
         self.watchdog_interval_s = watchdog_interval_s
         self.watchdog_probe_interval_s = watchdog_probe_interval_s
+        self.pid_file = Path(pid_file) if pid_file else None
+        self.restart = restart
         self.process: subprocess.Popen | None = None
         self.pid: int | None = None
         self.watchdog_process: subprocess.Popen | None = None
@@ -269,32 +308,43 @@ class TritonServer:
             f"--log-file={self.watchdog_log_file}",
             f"--interval={self.watchdog_interval_s}",
             f"--probe-interval={self.watchdog_probe_interval_s}",
-        ]
+        ] + ([f"--restart-from={launch_file(self.pid_file)}", f"--pid-file={self.pid_file}"] if self.restart else [])
 
     @property
     def watchdog_log_file(self) -> Path:
         return self.log_file.parent / "watchdog.log"
 
     # ---- lifecycle ----------------------------------------------------------------------
+    def info(self) -> dict:
+        """What the pid file says of the server."""
+        return {
+            "pid": self.pid, "watchdog_pid": self.watchdog_pid, "address": self.address, "grpc": self.grpc_port,
+            "http": self.http_port, "metrics": self.metrics_port, "ready_port": self.ready_port,
+            "log": str(self.log_file), "restart": self.restart,
+        }
+
     def start(self, timeout_s: float = 120.0) -> "TritonServer":
         install_python_stub(triton_home())
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_file, "ab")
-        try:
-            self.process = subprocess.Popen(
-                self.command(),
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=self.environment(),
-                start_new_session=True,  # our signals, not the terminal's
-            )
-        finally:
-            log.close()
+        argv, env = self.command(), self.environment()
+        self.process = launch(argv, env, self.log_file)
         self.pid = self.process.pid  # the exec keeps the pid: this is tritonserver's
         self.wait_ready(timeout_s)
+        if self.pid_file:
+            self.pid_file.parent.mkdir(parents=True, exist_ok=True)
+            update_pid_file(self.pid_file, **self.info())
+        if self.restart:
+            # the command line holds the admin key (as the process list does): owner-only
+            spec = {"argv": argv, "env": env, "cwd": os.getcwd(), "log_file": str(self.log_file),
+                    "start_timeout_s": timeout_s}
+            fd = os.open(launch_file(self.pid_file), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                os.fchmod(f.fileno(), 0o600)
+                json.dump(spec, f)
         if self.watchdog:
             self.start_watchdog()
+            if self.pid_file:
+                update_pid_file(self.pid_file, watchdog_pid=self.watchdog_pid)
         return self
 
     def start_watchdog(self, timeout_s: float = 30.0) -> None:
@@ -345,11 +395,18 @@ class TritonServer:
         timeout + 10 s). Returns the server's exit code (-9 when it had to be killed)."""
         self.stop_watchdog()
         grace_s = self.exit_timeout_s + 10.0 if grace_s is None else grace_s
+        code = None
         if self.process is not None:
-            return _terminate(self.process.pid, grace_s, self.process)[0]
-        if self.pid is not None:
-            return _terminate(self.pid, grace_s)[0]
-        return None
+            code = _terminate(self.process.pid, grace_s, self.process)[0]
+        elif self.pid is not None:
+            code = _terminate(self.pid, grace_s)[0]
+        if self.pid_file:
+            current = (read_pid_file(self.pid_file) or {}).get("pid")
+            if current and current != self.pid and _is_process(int(current), "tritonserver"):
+                code = _terminate(int(current), grace_s)[0]  # the watchdog restarted it
+            self.pid_file.unlink(missing_ok=True)
+            launch_file(self.pid_file).unlink(missing_ok=True)
+        return code
 
     def stop_watchdog(self) -> None:
         if self.watchdog_process is not None:
@@ -577,13 +634,6 @@ def heal(grpc_url: str, admin_key: str | None = None, models=None) -> list:
 # --------------------------------------------------------------------------------------------
 # Command line
 # --------------------------------------------------------------------------------------------
-def _read_pid_file(pid_file: Path) -> dict | None:
-    try:
-        return json.loads(pid_file.read_text())
-    except (OSError, ValueError):
-        return None
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m backend_src.serving.server",
@@ -603,6 +653,8 @@ def main(argv=None) -> int:
                     help="file with the admin key (default: admin.key beside the pid file; GENREC_ADMIN_KEY wins)")
     ap.add_argument("--no-watchdog", dest="watchdog", action="store_false",
                     help="do not run the stub watchdog (no self-healing, no /ready)")
+    ap.add_argument("--no-restart", dest="restart", action="store_false",
+                    help="the watchdog does not start the server again when it crashes")
     ap.add_argument("--event-log", default=None, help="put in the server's environment as GENREC_EVENT_LOG")
     ap.add_argument("--exit-timeout", type=int, default=DEFAULT_EXIT_TIMEOUT_S,
                     help="seconds the server waits for in-flight work when stopped")
@@ -615,7 +667,7 @@ def main(argv=None) -> int:
     # an explicit key file, else GENREC_ADMIN_KEY, else admin.key beside the pid file
     key_file = Path(a.admin_key_file) if a.admin_key_file else pid_file.parent / "admin.key"
     key_from_env = not a.admin_key_file and bool(os.environ.get(ADMIN_KEY_ENV))
-    info = _read_pid_file(pid_file)
+    info = read_pid_file(pid_file)
 
     if a.action == "start":
         if info and _is_process(int(info["pid"]), "tritonserver"):
@@ -630,6 +682,7 @@ def main(argv=None) -> int:
             a.model_repository, a.grpc_port, a.http_port, a.metrics_port, a.log_file, load_models=a.load_model or None,
             exit_timeout_s=a.exit_timeout, address=a.address, admin_key=key, watchdog=a.watchdog,
             ready_port=a.ready_port if a.watchdog else None, event_log=a.event_log,
+            pid_file=pid_file, restart=a.watchdog and a.restart,
         )
         try:
             srv.start(a.timeout)
@@ -637,12 +690,7 @@ def main(argv=None) -> int:
             srv.stop(grace_s=5)
             print(str(e), file=sys.stderr)
             return 1
-        pid_file.parent.mkdir(parents=True, exist_ok=True)
-        pid_file.write_text(json.dumps({
-            "pid": srv.pid, "watchdog_pid": srv.watchdog_pid, "address": srv.address, "grpc": srv.grpc_port,
-            "http": srv.http_port, "metrics": srv.metrics_port, "ready_port": srv.ready_port,
-            "log": str(srv.log_file), "admin_key_file": None if key_from_env else str(key_file),
-        }))
+        update_pid_file(pid_file, admin_key_file=None if key_from_env else str(key_file))
         srv.process = srv.watchdog_process = None  # leave both running after this command exits
         print(
             f"tritonserver ready: pid {srv.pid}, gRPC {srv.address}:{srv.grpc_port}, HTTP :{srv.http_port}, "
@@ -674,9 +722,10 @@ def main(argv=None) -> int:
             ready = ready and status == 200
         print(json.dumps(out))
         return 0 if ready else 3
-    # stop: the watchdog first, so it does not reload models of a stopping server
+    # stop: the watchdog first, so it neither reloads models of a stopping server nor restarts it
     if wd_pid and _is_process(int(wd_pid), "serving.watchdog"):
         _terminate(int(wd_pid), grace_s=5.0)
+    pid = int((read_pid_file(pid_file) or info)["pid"])  # a restart may have changed it meanwhile
     t0 = time.monotonic()
     if _is_process(pid, "tritonserver"):
         code, killed = _terminate(pid, grace_s=a.exit_timeout + 10.0)
@@ -685,6 +734,7 @@ def main(argv=None) -> int:
     else:
         print(f"pid {pid} was not running")
     pid_file.unlink(missing_ok=True)
+    launch_file(pid_file).unlink(missing_ok=True)
     return 0
 
 

@@ -19,10 +19,19 @@ vanished, or is a zombie) is dead: it is reloaded (which reloads the ensemble to
 An inference probe of every stage every `--probe-interval` seconds (30) is the slower
 backstop, for a stub that is there but does not answer.
 
+The server itself (`--restart-from LAUNCH_FILE --pid-file PID_FILE`, which `server start`
+sets): when tritonserver is gone while the watchdog runs, it was not stopped (`server stop`
+stops the watchdog first), so it crashed. The watchdog starts it again with the command and
+environment the launch file holds (same ports, same repository, so the versions the repository
+serves now) and writes the new pid to the pid file. A server that dies within a minute of its
+start waits 2, 4, ... up to 60 s before the next start, so a server that cannot start does not
+spin. Sessions come back from the event log at their next request. Without a launch file the
+watchdog exits when tritonserver is gone.
+
 Readiness (HTTP on --address:--ready-port): GET /ready answers 200 only when tritonserver is
 ready, every model is ready and every Python stage has all its stubs alive and is not being
 reloaded, else 503 with a JSON body naming the dead stages; GET /live answers 200 while
-tritonserver answers its own liveness. It exits when tritonserver is gone, and on SIGTERM.
+tritonserver answers its own liveness. It exits on SIGTERM.
 """
 from __future__ import annotations
 
@@ -38,7 +47,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from backend_src.serving import protocol as P
-from backend_src.serving.server import ADMIN_KEY_ENV, _alive, _http_ok, reload_model, unhealthy_models
+from backend_src.serving.server import (
+    ADMIN_KEY_ENV, _alive, _http_ok, _terminate, launch, reload_model, unhealthy_models, update_pid_file,
+)
 
 STUB_COMM = "triton_python_b"  # the kernel keeps 15 characters of triton_python_backend_stub
 STUB_NAME = "triton_python_backend_stub"
@@ -132,8 +143,17 @@ class Watchdog:
         interval_s: float = 0.5,
         probe_interval_s: float = 30.0,
         models=P.PYTHON_MODELS,
+        restart_from=None,
+        pid_file=None,
     ):
         self.server_pid, self.grpc_url, self.http_url = server_pid, grpc_url, http_url
+        self.restart_from, self.pid_file = restart_from, pid_file
+        self.server_process = None  # the Popen of a server this watchdog started (it reaps it)
+        self.server_started_at = time.monotonic()
+        self.quick_deaths = 0  # consecutive deaths within a minute of a start
+        self.restarting = False
+        self.restarts: list = []  # (old pid, new pid, seconds from seen gone to ready)
+        self._spawn_lock = threading.Lock()
         self.admin_key = admin_key
         self.interval_s, self.probe_interval_s = interval_s, probe_interval_s
         self.models = tuple(models)
@@ -259,9 +279,12 @@ class Watchdog:
         next_probe = time.monotonic() + self.probe_interval_s
         while not self.stop_event.is_set():
             if not self.server_alive():
-                log.warning("tritonserver (pid %d) is gone; the watchdog stops", self.server_pid)
-                self.stop_event.set()
-                break
+                if not self.restart_from:
+                    log.warning("tritonserver (pid %d) is gone; the watchdog stops", self.server_pid)
+                    self.stop_event.set()
+                    break
+                self.restart_server()
+                continue
             try:
                 self.tick()
                 if self.probe_interval_s > 0 and time.monotonic() >= next_probe:
@@ -271,6 +294,52 @@ class Watchdog:
                 log.error("check failed: %s", e)
                 self._client, self._last_live = None, frozenset()
             self.stop_event.wait(self.interval_s)
+
+    # ---- the server itself -------------------------------------------------------------------
+    def restart_server(self) -> None:
+        """Start tritonserver again from the launch file and wait until it is ready (or dies,
+        or does not get ready in its start timeout: then it is killed and the next tick tries
+        again)."""
+        seen_gone = time.monotonic()
+        old = self.server_pid
+        code = self.server_process.poll() if self.server_process is not None else None  # ours: reaped here
+        self.restarting = True
+        if time.monotonic() - self.server_started_at < 60.0:
+            self.quick_deaths += 1
+        else:
+            self.quick_deaths = 0
+        delay = min(60.0, 2.0 ** (self.quick_deaths - 1)) if self.quick_deaths > 1 else 0.0
+        log.error("tritonserver (pid %d) is gone%s; starting it again%s", old,
+                  f" (exit status {code})" if code is not None else "", f" in {delay:.0f} s" if delay else "")
+        if self.stop_event.wait(delay):
+            return
+        spec = json.loads(Path(self.restart_from).read_text())
+        with self._spawn_lock:  # SIGTERM waits for this: the new pid is in the pid file before we exit
+            if self.stop_event.is_set():
+                return
+            proc = launch(spec["argv"], spec["env"], spec["log_file"], spec.get("cwd"))
+            update_pid_file(self.pid_file, pid=proc.pid)
+            self.server_process, self.server_pid = proc, proc.pid
+            self.server_started_at = time.monotonic()
+            self.known, self.expected, self._last_live, self.dead = {}, {}, frozenset(), {}
+            self._client = None
+        deadline = time.monotonic() + float(spec.get("start_timeout_s", 300))
+        while not self.stop_event.is_set():
+            if proc.poll() is not None:
+                log.error("restarted tritonserver (pid %d) exited with status %s while starting", proc.pid, proc.returncode)
+                return
+            if _http_ok(f"http://{self.http_url}/v2/health/ready"):
+                self.restarting = False
+                self.restarts.append((old, proc.pid, time.monotonic() - seen_gone))
+                log.warning("tritonserver restarted: pid %d ready %.1f s after pid %d was seen gone",
+                            proc.pid, time.monotonic() - seen_gone, old)
+                return
+            if time.monotonic() > deadline:
+                log.error("restarted tritonserver (pid %d) not ready in %.0f s; stopping it", proc.pid,
+                          spec.get("start_timeout_s", 300))
+                _terminate(proc.pid, 10.0, proc)
+                return
+            self.stop_event.wait(0.2)
 
     # ---- readiness -----------------------------------------------------------------------------
     def readiness(self) -> tuple:
@@ -285,6 +354,8 @@ class Watchdog:
         return ready, {
             "ready": ready,
             "server_ready": server_ready,
+            "server_restarting": self.restarting,
+            "server_restarts": len(self.restarts),
             "dead": sorted(dead),
             "why": dead,
             "models_not_ready": not_ready,
@@ -333,23 +404,32 @@ def main(argv=None) -> int:
     ap.add_argument("--interval", type=float, default=0.5, help="seconds between stub checks")
     ap.add_argument("--probe-interval", type=float, default=30.0, help="seconds between inference probes (0: none)")
     ap.add_argument("--log-file", default=None)
+    ap.add_argument("--restart-from", default=None,
+                    help="launch file (JSON: argv, env, cwd, log_file) to start tritonserver again when it is gone")
+    ap.add_argument("--pid-file", default=None, help="pid file whose pid a restart updates (needed with --restart-from)")
     a = ap.parse_args(argv)
+    if a.restart_from and not a.pid_file:
+        ap.error("--restart-from needs --pid-file")
     logging.basicConfig(
         filename=a.log_file, level=logging.INFO, format="%(asctime)s watchdog[%(process)d] %(levelname)s %(message)s"
     )
     key = os.environ.get(ADMIN_KEY_ENV) or None
-    wd = Watchdog(a.server_pid, a.grpc_url, a.http_url, key, a.interval, a.probe_interval)
+    wd = Watchdog(a.server_pid, a.grpc_url, a.http_url, key, a.interval, a.probe_interval,
+                  restart_from=a.restart_from, pid_file=a.pid_file)
     if wd.admin_key is None:
         log.info("no admin key: reloads work only on a server that leaves model loading open")
     signal.signal(signal.SIGTERM, lambda *_: wd.stop_event.set())
     signal.signal(signal.SIGINT, lambda *_: wd.stop_event.set())
     httpd = wd.serve(a.address, a.ready_port)
-    log.info("watching tritonserver pid %d (gRPC %s); readiness on http://%s:%d/ready",
-             a.server_pid, a.grpc_url, a.address, a.ready_port)
+    log.info("watching tritonserver pid %d (gRPC %s); readiness on http://%s:%d/ready; %s",
+             a.server_pid, a.grpc_url, a.address, a.ready_port,
+             "restarts it when it crashes" if a.restart_from else "stops when it is gone")
     # the checks run beside the main thread, so a signal ends the process even during a reload
     threading.Thread(target=wd.run, daemon=True, name="stub-watchdog").start()
     while not wd.stop_event.wait(0.5):
         pass
+    if wd._spawn_lock.acquire(timeout=10):  # a restart in progress has written its pid file
+        wd._spawn_lock.release()
     httpd.server_close()  # the serving thread goes with the process
     log.info("stopped")
     return 0
