@@ -292,18 +292,11 @@ FAULTS = ("publish", "rollback", "stub_kill_history_encoder", "stub_kill_pfa_dec
           "retry_after_timeout", "oversized_shape", "server_crash")
 
 
-def stub_pid(model: str) -> int | None:
-    """The pid of a served model's Python-backend stub (its command line names the model's path)."""
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            cmd = (d / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if cmd and cmd[0].endswith(b"triton_python_backend_stub") and any(f"/{model}/".encode() in c for c in cmd):
-            return int(d.name)
-    return None
+def stub_pid(model: str, server_pid: int) -> int | None:
+    """The pid of the server's Python-backend stub of `model`."""
+    from backend_src.serving.watchdog import stub_processes
+
+    return next((pid for pid, (name, alive) in stub_processes(server_pid).items() if name == model and alive), None)
 
 
 def overflow_request(url: str) -> str:
@@ -479,7 +472,7 @@ def faults(a) -> list:
                         pub.rollback(repo, server=server.grpc_url, admin_key=server.admin_key)
                     elif fault.startswith("stub_kill_"):
                         model = fault[len("stub_kill_"):]
-                        pid = stub_pid(model)
+                        pid = stub_pid(model, server.pid)
                         os_kill(pid)
                         note = f"SIGKILL stub pid {pid}"
                     elif fault == "oversized_shape":

@@ -469,7 +469,9 @@ def test_class_with_watchdog_stops_by_sigterm_with_open_sessions(repo, tmp_path)
 
 def test_class_stop_after_a_restart_stops_the_new_server(repo, tmp_path):
     """With restart on, stop() ends the server the watchdog started in place of a crashed one
-    (not only the one it started itself), and leaves no pid or launch file."""
+    (not only the one it started itself), and leaves no pid or launch file. The crashed server
+    stays a zombie here (this process started it and has not reaped it), which its stubs take for
+    a live parent: the watchdog ends them."""
     pid_file = tmp_path / "tritonserver.pid"
     server = TritonServer(
         repo, free_port(), free_port(), free_port(), log_file=tmp_path / "tritonserver.log",
@@ -479,12 +481,14 @@ def test_class_stop_after_a_restart_stops_the_new_server(repo, tmp_path):
     try:
         launch = pid_file.with_suffix(".launch.json")
         assert launch.stat().st_mode & 0o777 == 0o600
+        old_stubs = steady_stubs(server.pid)
         os.kill(server.pid, signal.SIGSEGV)
         deadline = time.monotonic() + RESTART_BOUND_S
         while json.loads(pid_file.read_text())["pid"] == server.pid or get(server.ready_url + "/ready")[0] != 200:
             assert time.monotonic() < deadline, (tmp_path / "watchdog.log").read_text()[-2000:]
             time.sleep(0.5)
         new = json.loads(pid_file.read_text())["pid"]
+        assert not [pid for pid in old_stubs if running(pid)], old_stubs
         assert server.process.wait(5) == -signal.SIGSEGV and running(new)
     finally:
         server.stop()

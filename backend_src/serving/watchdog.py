@@ -311,6 +311,7 @@ class Watchdog:
         delay = min(60.0, 2.0 ** (self.quick_deaths - 1)) if self.quick_deaths > 1 else 0.0
         log.error("tritonserver (pid %d) is gone%s; starting it again%s", old,
                   f" (exit status {code})" if code is not None else "", f" in {delay:.0f} s" if delay else "")
+        self.end_orphaned_stubs()
         if self.stop_event.wait(delay):
             return
         spec = json.loads(Path(self.restart_from).read_text())
@@ -340,6 +341,25 @@ class Watchdog:
                 _terminate(proc.pid, 10.0, proc)
                 return
             self.stop_event.wait(0.2)
+
+    def end_orphaned_stubs(self, timeout_s: float = 5.0) -> None:
+        """SIGKILL the stubs the dead server left. A stub exits by itself only once its parent
+        is gone for good, and a crashed server that its starter has not reaped yet (a zombie)
+        still counts as there: its stubs would hold their memory until then."""
+        left = []
+        for pid in self.known:
+            st = _stat(pid)
+            if st is not None and st[0] == STUB_COMM and st[1] != "Z":
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                    left.append(pid)
+                except ProcessLookupError:
+                    pass
+        if left:
+            log.warning("ended %d stub processes of the dead server: %s", len(left), left)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and any(_alive(pid) for pid in left):
+            time.sleep(0.05)
 
     # ---- readiness -----------------------------------------------------------------------------
     def readiness(self) -> tuple:
