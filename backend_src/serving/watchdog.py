@@ -152,7 +152,7 @@ class Watchdog:
         self.server_started_at = time.monotonic()
         self.quick_deaths = 0  # consecutive deaths within a minute of a start
         self.restarting = False
-        self.restarts: list = []  # (old pid, new pid, seconds from seen gone to ready)
+        self.restarts = 0  # servers started in place of a dead one
         self._spawn_lock = threading.Lock()
         self.admin_key = admin_key
         self.interval_s, self.probe_interval_s = interval_s, probe_interval_s
@@ -331,7 +331,7 @@ class Watchdog:
                 return
             if _http_ok(f"http://{self.http_url}/v2/health/ready"):
                 self.restarting = False
-                self.restarts.append((old, proc.pid, time.monotonic() - seen_gone))
+                self.restarts += 1
                 log.warning("tritonserver restarted: pid %d ready %.1f s after pid %d was seen gone",
                             proc.pid, time.monotonic() - seen_gone, old)
                 return
@@ -375,7 +375,7 @@ class Watchdog:
             "ready": ready,
             "server_ready": server_ready,
             "server_restarting": self.restarting,
-            "server_restarts": len(self.restarts),
+            "server_restarts": self.restarts,
             "dead": sorted(dead),
             "why": dead,
             "models_not_ready": not_ready,
