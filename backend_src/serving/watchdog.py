@@ -29,8 +29,8 @@ spin. Sessions come back from the event log at their next request. Without a lau
 watchdog exits when tritonserver is gone.
 
 Readiness (HTTP on --address:--ready-port): GET /ready answers 200 only when tritonserver is
-ready, every model is ready and every Python stage has all its stubs alive and is not being
-reloaded, else 503 with a JSON body naming the dead stages; GET /live answers 200 while
+ready (and not being started again), every model is ready and every Python stage has all its
+stubs alive and is not being reloaded, else 503 with a JSON body naming the dead stages; GET /live answers 200 while
 tritonserver answers its own liveness. It exits on SIGTERM.
 """
 from __future__ import annotations
@@ -330,8 +330,8 @@ class Watchdog:
                 log.error("restarted tritonserver (pid %d) exited with status %s while starting", proc.pid, proc.returncode)
                 return
             if _http_ok(f"http://{self.http_url}/v2/health/ready"):
-                self.restarting = False
                 self.restarts += 1
+                self.restarting = False  # after the count: /ready says 200 only with the count up to date
                 log.warning("tritonserver restarted: pid %d ready %.1f s after pid %d was seen gone",
                             proc.pid, time.monotonic() - seen_gone, old)
                 return
@@ -370,7 +370,7 @@ class Watchdog:
         for model, why in self.deficits(stub_processes(self.server_pid, self.known), self.expected).items():
             dead.setdefault(model, why)
         not_ready = [m for m in P.ALL_MODELS if not _http_ok(f"http://{self.http_url}/v2/models/{m}/ready")]
-        ready = server_ready and not dead and not not_ready
+        ready = server_ready and not dead and not not_ready and not self.restarting
         return ready, {
             "ready": ready,
             "server_ready": server_ready,
