@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import resource
 import signal
 import threading
 import time
@@ -478,6 +479,7 @@ def faults(a) -> list:
                     elif fault == "oversized_shape":
                         note = overflow_request(server.grpc_url)
                     elif fault == "server_crash":
+                        resource.prlimit(server.pid, resource.RLIMIT_CORE, (0, 0))  # no core file
                         os.kill(server.pid, signal.SIGSEGV)
                         note = f"SIGSEGV tritonserver pid {server.pid}"
                     time.sleep(a.seconds)

@@ -9,6 +9,7 @@ untrained model as in tests/test_server.py.
 import ipaddress
 import json
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -68,6 +69,12 @@ def overflowing_request(client, sid):
         _input(P.TIMESTAMPS.name, np.array([[1, 2]], np.int64), "INT64"),
     ]
     return client.infer(P.ENSEMBLE, inputs, sequence_id=sid, sequence_start=True, sequence_end=True, client_timeout=30)
+
+
+def crash(pid: int) -> None:
+    """SIGSEGV, as a crash ends a process (with no core file written)."""
+    resource.prlimit(pid, resource.RLIMIT_CORE, (0, 0))
+    os.kill(pid, signal.SIGSEGV)
 
 
 def children(pid: int) -> dict:
@@ -394,7 +401,7 @@ def test_watchdog_restarts_a_crashed_server(cli_server):
         client.open_session("crashed", ["sku-1", "sku-2", "sku-3"], timestamps=[10, 20, 30])
         client.append("crashed", ["sku-4"], timestamps=[40])
         assert client.event_count("crashed") == 4
-        os.kill(old, signal.SIGSEGV)
+        crash(old)
         crashed_at = time.monotonic()
         while True:  # a new server, ready
             elapsed = time.monotonic() - crashed_at
@@ -482,7 +489,7 @@ def test_class_stop_after_a_restart_stops_the_new_server(repo, tmp_path):
         launch = pid_file.with_suffix(".launch.json")
         assert launch.stat().st_mode & 0o777 == 0o600
         old_stubs = steady_stubs(server.pid)
-        os.kill(server.pid, signal.SIGSEGV)
+        crash(server.pid)
         deadline = time.monotonic() + RESTART_BOUND_S
         while json.loads(pid_file.read_text())["pid"] == server.pid or get(server.ready_url + "/ready")[0] != 200:
             assert time.monotonic() < deadline, (tmp_path / "watchdog.log").read_text()[-2000:]
