@@ -324,7 +324,8 @@ class Watchdog:
             self.server_started_at = time.monotonic()
             self.known, self.expected, self._last_live, self.dead = {}, {}, frozenset(), {}
             self._client = None
-        deadline = time.monotonic() + float(spec.get("start_timeout_s", 300))
+        start_timeout_s = float(spec.get("start_timeout_s", 300))
+        deadline = time.monotonic() + start_timeout_s
         while not self.stop_event.is_set():
             if proc.poll() is not None:
                 log.error("restarted tritonserver (pid %d) exited with status %s while starting", proc.pid, proc.returncode)
@@ -336,8 +337,7 @@ class Watchdog:
                             proc.pid, time.monotonic() - seen_gone, old)
                 return
             if time.monotonic() > deadline:
-                log.error("restarted tritonserver (pid %d) not ready in %.0f s; stopping it", proc.pid,
-                          spec.get("start_timeout_s", 300))
+                log.error("restarted tritonserver (pid %d) not ready in %.0f s; stopping it", proc.pid, start_timeout_s)
                 _terminate(proc.pid, 10.0, proc)
                 return
             self.stop_event.wait(0.2)
