@@ -131,6 +131,11 @@ def stub_processes_of(repo) -> list:
     return out
 
 
+def watchdogs(keeper: int) -> list:
+    """The live watchdog processes that `keeper` runs."""
+    return [pid for pid, (state, cmd) in children(keeper).items() if state != "Z" and "serving.watchdog" in cmd]
+
+
 def running(pid: int) -> bool:
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
@@ -213,6 +218,7 @@ def test_cli_start_leaves_server_and_watchdog_running(cli_server):
     # `start` has returned; both processes outlive it, each on its own
     assert running(info["pid"]) and running(info["watchdog_pid"]) and info["pid"] != info["watchdog_pid"]
     assert b"backend_src.serving.watchdog" in Path(f"/proc/{info['watchdog_pid']}/cmdline").read_bytes()
+    assert len(watchdogs(info["watchdog_pid"])) == 1  # the keeper's one child
     assert (run / "admin.key").stat().st_mode & 0o777 == 0o600
     assert len(cli_server["key"]) >= 32
     assert get(cli_server["ready_url"] + "/ready")[0] == 200 and get(cli_server["ready_url"] + "/live")[0] == 200
@@ -356,10 +362,10 @@ def _check_healed(cli_server, seen_503: list, reloads: int) -> None:
     assert (cli_server["run"] / "watchdog.log").read_text().count(f"{P.ENCODER}: reloaded") == reloads
 
 
-def test_watchdog_heals_a_killed_stub(cli_server):
+def _kill_encoder_stub_and_check_healed(cli_server, reloads: int) -> float:
     client = grpcclient.InferenceServerClient(cli_server["grpc_url"])
     try:
-        recommend(client, 1001)
+        recommend(client, 1001 + reloads)
         (encoder,) = [pid for pid, (_, model) in steady_stubs(cli_server["info"]["pid"]).items() if model == P.ENCODER]
         os.kill(encoder, signal.SIGKILL)
         killed_at = time.monotonic()
@@ -369,10 +375,15 @@ def test_watchdog_heals_a_killed_stub(cli_server):
             if status == 503:
                 seen_503.append(body)
         recovered_s = _wait_healed(cli_server, client, killed_at, seen_503)
-        print(f"killed stub: recommend answers again {recovered_s:.1f} s after the kill")
-        _check_healed(cli_server, seen_503, reloads=1)
+        _check_healed(cli_server, seen_503, reloads=reloads)
+        return recovered_s
     finally:
         client.close()
+
+
+def test_watchdog_heals_a_killed_stub(cli_server):
+    recovered_s = _kill_encoder_stub_and_check_healed(cli_server, reloads=1)
+    print(f"killed stub: recommend answers again {recovered_s:.1f} s after the kill")
 
 
 def test_watchdog_heals_after_an_overflowing_request(cli_server):
@@ -387,6 +398,31 @@ def test_watchdog_heals_after_an_overflowing_request(cli_server):
         _check_healed(cli_server, seen_503, reloads=2)
     finally:
         client.close()
+
+
+def test_a_killed_watchdog_is_started_again(cli_server):
+    """The watchdog itself is killed (SIGKILL, as the OOM killer ends a process): its keeper
+    starts a new one, which answers /ready on the same port and heals a killed stub as the first
+    one did."""
+    keeper, log_file = cli_server["info"]["watchdog_pid"], cli_server["run"] / "watchdog.log"
+    (old,) = watchdogs(keeper)
+    os.kill(old, signal.SIGKILL)
+    killed_at = time.monotonic()
+    while True:
+        elapsed = time.monotonic() - killed_at
+        assert elapsed < RECOVERY_BOUND_S, log_file.read_text()[-2000:]
+        new = watchdogs(keeper)
+        try:
+            ready = new and new != [old] and get(cli_server["ready_url"] + "/ready")[0] == 200
+        except OSError:  # not listening yet
+            ready = False
+        if ready:
+            break
+        time.sleep(0.2)
+    print(f"killed watchdog: a new one ready {elapsed:.1f} s after the kill")
+    assert running(keeper) and not running(old)
+    assert f"the watchdog (pid {old}) died (signal 9)" in log_file.read_text()
+    _kill_encoder_stub_and_check_healed(cli_server, reloads=3)
 
 
 def test_watchdog_restarts_a_crashed_server(cli_server):

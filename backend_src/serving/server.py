@@ -18,7 +18,8 @@ GENREC_ADMIN_KEY or a key file (default ``admin.key`` beside the pid file, creat
 0600 at the first start). ``start`` also runs the stub watchdog (``serving/watchdog.py``) as a
 process of its own: it reloads a model whose Python stub died and serves ``GET /ready`` and
 ``GET /live`` on ``--ready-port``, and starts tritonserver again, the same way, when it exits
-by any other way than ``stop`` (a crash). ``stop`` stops the watchdog, then the server.
+by any other way than ``stop`` (a crash); a keeper process starts the watchdog itself again
+when it dies. ``stop`` stops the watchdog, then the server.
 """
 from __future__ import annotations
 
@@ -308,7 +309,8 @@ class TritonServer:
             f"--log-file={self.watchdog_log_file}",
             f"--interval={self.watchdog_interval_s}",
             f"--probe-interval={self.watchdog_probe_interval_s}",
-        ] + ([f"--restart-from={launch_file(self.pid_file)}", f"--pid-file={self.pid_file}"] if self.restart else [])
+        ] + ([f"--restart-from={launch_file(self.pid_file)}", f"--pid-file={self.pid_file}", "--keep"]
+             if self.restart else [])
 
     @property
     def watchdog_log_file(self) -> Path:

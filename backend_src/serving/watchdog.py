@@ -28,6 +28,13 @@ start waits 2, 4, ... up to 60 s before the next start, so a server that cannot 
 spin. Sessions come back from the event log at their next request. Without a launch file the
 watchdog exits when tritonserver is gone.
 
+Its keeper (`--keep`, which `server start` sets with the restart): the process `server start`
+leaves behind runs the watchdog as its child and starts it again when it dies of anything but a
+stop (a kill from outside, the OOM killer, a fault of its own), waiting 1, 2, ... up to 30 s
+between quick deaths. The new watchdog reads the server's pid from the pid file, which follows a
+restart. The keeper is a loop with no threads, no network and no server client; SIGTERM passes
+to the watchdog, and a watchdog whose keeper is killed gets SIGTERM from the kernel.
+
 Readiness (HTTP on --address:--ready-port): GET /ready answers 200 only when tritonserver is
 ready (and not being started again), every model is ready and every Python stage has all its
 stubs alive and is not being reloaded, else 503 with a JSON body naming the dead stages; GET /live answers 200 while
@@ -36,10 +43,12 @@ tritonserver answers its own liveness. It exits on SIGTERM.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import logging
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -48,7 +57,8 @@ from pathlib import Path
 
 from backend_src.serving import protocol as P
 from backend_src.serving.server import (
-    ADMIN_KEY_ENV, _alive, _http_ok, _terminate, launch, reload_model, unhealthy_models, update_pid_file,
+    ADMIN_KEY_ENV, _alive, _http_ok, _terminate, launch, read_pid_file, reload_model, unhealthy_models,
+    update_pid_file,
 )
 
 STUB_COMM = "triton_python_b"  # the kernel keeps 15 characters of triton_python_backend_stub
@@ -332,6 +342,7 @@ class Watchdog:
                 return
             if _http_ok(f"http://{self.http_url}/v2/health/ready"):
                 self.restarts += 1
+                update_pid_file(self.pid_file, server_restarts=self.restarts)  # for a watchdog started anew
                 self.restarting = False  # after the count: /ready says 200 only with the count up to date
                 log.warning("tritonserver restarted: pid %d ready %.1f s after pid %d was seen gone",
                             proc.pid, time.monotonic() - seen_gone, old)
@@ -414,6 +425,52 @@ class Watchdog:
         return httpd
 
 
+# --------------------------------------------------------------------------------------------
+# Its keeper
+# --------------------------------------------------------------------------------------------
+PR_SET_PDEATHSIG = 1
+
+
+def keep(argv: list) -> int:
+    """Run the watchdog (`argv`, without --keep) as a child and start it again whenever it
+    exits other than by a stop: status 0 means it stopped by itself (no server to watch), and
+    after SIGTERM or SIGINT to the keeper the child's own exit ends the keeper too."""
+    cmd = [sys.executable, "-m", "backend_src.serving.watchdog", *argv]
+    libc, keeper = ctypes.CDLL(None, use_errno=True), os.getpid()
+
+    def die_with_keeper():  # in the child, between fork and exec (the keeper has no threads)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != keeper:  # the keeper was gone before the line above
+            os._exit(1)
+
+    stopping, child = [], None
+
+    def stop(signum, _frame):
+        stopping.append(signum)
+        if child is not None and child.poll() is None:
+            child.send_signal(signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    quick_deaths = 0
+    while not stopping:
+        started = time.monotonic()
+        child = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, preexec_fn=die_with_keeper)
+        if stopping:  # a stop that came while it was being spawned
+            child.send_signal(signal.SIGTERM)
+        code = child.wait()
+        if stopping or code == 0:
+            return code
+        quick_deaths = quick_deaths + 1 if time.monotonic() - started < 60.0 else 1
+        delay = min(30.0, 2.0 ** (quick_deaths - 1))
+        why = f"signal {-code}" if code < 0 else f"exit status {code}"
+        log.error("the watchdog (pid %d) died (%s); starting it again in %.0f s", child.pid, why, delay)
+        deadline = time.monotonic() + delay
+        while not stopping and time.monotonic() < deadline:
+            time.sleep(0.1)
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m backend_src.serving.watchdog", description=__doc__.split("\n\n")[0])
     ap.add_argument("--server-pid", type=int, required=True)
@@ -426,33 +483,53 @@ def main(argv=None) -> int:
     ap.add_argument("--log-file", default=None)
     ap.add_argument("--restart-from", default=None,
                     help="launch file (JSON: argv, env, cwd, log_file) to start tritonserver again when it is gone")
-    ap.add_argument("--pid-file", default=None, help="pid file whose pid a restart updates (needed with --restart-from)")
+    ap.add_argument("--pid-file", default=None,
+                    help="pid file whose pid a restart updates (needed with --restart-from); read for the server's pid")
+    ap.add_argument("--keep", action="store_true", help="run the watchdog as a child and start it again when it dies")
+    argv = sys.argv[1:] if argv is None else list(argv)
     a = ap.parse_args(argv)
     if a.restart_from and not a.pid_file:
         ap.error("--restart-from needs --pid-file")
     logging.basicConfig(
-        filename=a.log_file, level=logging.INFO, format="%(asctime)s watchdog[%(process)d] %(levelname)s %(message)s"
+        filename=a.log_file, level=logging.INFO,
+        format=f"%(asctime)s {'keeper' if a.keep else 'watchdog'}[%(process)d] %(levelname)s %(message)s",
     )
+    if a.keep:
+        return keep([arg for arg in argv if arg != "--keep"])
+    # a watchdog started again by its keeper: the server may have been restarted since
+    info = (read_pid_file(a.pid_file) or {}) if a.pid_file else {}
+    server_pid = int(info.get("pid") or a.server_pid)
     key = os.environ.get(ADMIN_KEY_ENV) or None
-    wd = Watchdog(a.server_pid, a.grpc_url, a.http_url, key, a.interval, a.probe_interval,
+    wd = Watchdog(server_pid, a.grpc_url, a.http_url, key, a.interval, a.probe_interval,
                   restart_from=a.restart_from, pid_file=a.pid_file)
+    wd.restarts = int(info.get("server_restarts", 0))
     if wd.admin_key is None:
         log.info("no admin key: reloads work only on a server that leaves model loading open")
     signal.signal(signal.SIGTERM, lambda *_: wd.stop_event.set())
     signal.signal(signal.SIGINT, lambda *_: wd.stop_event.set())
     httpd = wd.serve(a.address, a.ready_port)
     log.info("watching tritonserver pid %d (gRPC %s); readiness on http://%s:%d/ready; %s",
-             a.server_pid, a.grpc_url, a.address, a.ready_port,
+             server_pid, a.grpc_url, a.address, a.ready_port,
              "restarts it when it crashes" if a.restart_from else "stops when it is gone")
+    failed = []
+
+    def run() -> None:
+        try:
+            wd.run()
+        except BaseException:  # noqa: BLE001 - end the process, so that its keeper starts it anew
+            log.exception("the watchdog failed")
+            failed.append(True)
+            wd.stop_event.set()
+
     # the checks run beside the main thread, so a signal ends the process even during a reload
-    threading.Thread(target=wd.run, daemon=True, name="stub-watchdog").start()
+    threading.Thread(target=run, daemon=True, name="stub-watchdog").start()
     while not wd.stop_event.wait(0.5):
         pass
     if wd._spawn_lock.acquire(timeout=10):  # a restart in progress has written its pid file
         wd._spawn_lock.release()
     httpd.server_close()  # the serving thread goes with the process
-    log.info("stopped")
-    return 0
+    log.info("stopped" if not failed else "exits after a failure")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
