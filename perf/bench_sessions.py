@@ -15,8 +15,10 @@ log-cost: what the event log adds to a request. Three servers run side by side, 
 
 faults: four client threads keep sessions going (open, then one event a request) while one
     fault is injected: a publish of every model, a rollback, the SIGKILL of each stage's stub,
-    client timeouts followed by retries, the request whose shape overflows, and a crash of
-    tritonserver itself (SIGSEGV; its watchdog starts it again, as `server start` sets it up). Each row:
+    client timeouts followed by retries, the request whose shape overflows, a crash of
+    tritonserver itself (SIGSEGV; its watchdog starts it again, as `server start` sets it up), and
+    the SIGKILL of the watchdog followed by the encoder's stub (its keeper starts a new watchdog,
+    which heals the stub). Each row:
     failed requests (calls that raised after the client library's retries), sessions lost,
     events lost and applied twice (each session's log against what its client sent), and the
     longest time without a successful request after the fault (recovery_s).
@@ -290,7 +292,7 @@ def log_cost(a) -> list:
 
 
 FAULTS = ("publish", "rollback", "stub_kill_history_encoder", "stub_kill_pfa_decoder", "stub_kill_mfalcon_ranker",
-          "retry_after_timeout", "oversized_shape", "server_crash")
+          "retry_after_timeout", "oversized_shape", "server_crash", "watchdog_and_stub_kill")
 
 
 def stub_pid(model: str, server_pid: int) -> int | None:
@@ -298,6 +300,14 @@ def stub_pid(model: str, server_pid: int) -> int | None:
     from backend_src.serving.watchdog import stub_processes
 
     return next((pid for pid, (name, alive) in stub_processes(server_pid).items() if name == model and alive), None)
+
+
+def watchdog_pid(keeper_pid: int) -> int | None:
+    """The pid of the watchdog that its keeper runs."""
+    from backend_src.serving.watchdog import child_pids
+
+    return next((pid for pid in child_pids(keeper_pid)
+                 if b"serving.watchdog" in Path(f"/proc/{pid}/cmdline").read_bytes()), None)
 
 
 def overflow_request(url: str) -> str:
@@ -478,6 +488,12 @@ def faults(a) -> list:
                         note = f"SIGKILL stub pid {pid}"
                     elif fault == "oversized_shape":
                         note = overflow_request(server.grpc_url)
+                    elif fault == "watchdog_and_stub_kill":  # the stub dies while no watchdog runs
+                        watchdog = watchdog_pid(server.watchdog_pid)
+                        os_kill(watchdog)
+                        pid = stub_pid("history_encoder", server.pid)
+                        os_kill(pid)
+                        note = f"SIGKILL watchdog pid {watchdog}, then stub pid {pid}"
                     elif fault == "server_crash":
                         resource.prlimit(server.pid, resource.RLIMIT_CORE, (0, 0))  # no core file
                         os.kill(server.pid, signal.SIGSEGV)
@@ -499,7 +515,7 @@ def faults(a) -> list:
 
 def os_kill(pid: int | None) -> None:
     if pid is None:
-        raise RuntimeError("no stub process found for the model")
+        raise RuntimeError("no such process found")
     os.kill(pid, signal.SIGKILL)
 
 
