@@ -203,7 +203,8 @@ def cli_server(repo, tmp_path_factory):
     if pid_file.exists():
         server_cli("stop", *common, env=clean_env())
     # whatever a failed test left behind (checked by command line: a pid may be reused)
-    for pid, marker in ((info["watchdog_pid"], b"serving.watchdog"), (current["pid"], b"tritonserver")):
+    for pid, marker in ((info["watchdog_pid"], b"serving.watchdog"), (current["watchdog_pid"], b"serving.watchdog"),
+                        (current["pid"], b"tritonserver")):
         try:
             ours = running(pid) and marker in Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
@@ -423,6 +424,28 @@ def test_a_killed_watchdog_is_started_again(cli_server):
     assert running(keeper) and not running(old)
     assert f"the watchdog (pid {old}) died (signal 9)" in log_file.read_text()
     _kill_encoder_stub_and_check_healed(cli_server, reloads=3)
+
+
+def test_cli_start_gives_a_running_server_its_watchdog_again(cli_server):
+    """The keeper itself is killed, and the watchdog with it: `start` on the running server starts
+    only a new keeper and watchdog for it, and a second `start` finds everything running."""
+    info, pid_file = cli_server["info"], cli_server["pid_file"]
+    keeper, (watchdog,) = info["watchdog_pid"], watchdogs(info["watchdog_pid"])
+    os.kill(keeper, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while running(watchdog):  # it gets SIGTERM from the kernel when its keeper dies
+        assert time.monotonic() < deadline, "the watchdog outlived its keeper"
+        time.sleep(0.1)
+    r = server_cli("status", *cli_server["common"], env=clean_env())
+    assert r.returncode == 3 and not json.loads(r.stdout)["watchdog"]["alive"], r.stdout
+    r = server_cli("start", *cli_server["common"], env=clean_env())
+    assert r.returncode == 0 and "its watchdog was gone" in r.stdout, r.stdout + r.stderr
+    new = json.loads(pid_file.read_text())
+    assert new["pid"] == info["pid"] and new["watchdog_pid"] != keeper and len(watchdogs(new["watchdog_pid"])) == 1
+    assert get(cli_server["ready_url"] + "/ready")[0] == 200
+    r = server_cli("start", *cli_server["common"], env=clean_env())
+    assert r.returncode == 1 and "already running" in r.stderr, r.stdout + r.stderr
+    cli_server["info"] = new
 
 
 def test_watchdog_restarts_a_crashed_server(cli_server):

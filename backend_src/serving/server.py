@@ -19,7 +19,8 @@ GENREC_ADMIN_KEY or a key file (default ``admin.key`` beside the pid file, creat
 process of its own: it reloads a model whose Python stub died and serves ``GET /ready`` and
 ``GET /live`` on ``--ready-port``, and starts tritonserver again, the same way, when it exits
 by any other way than ``stop`` (a crash); a keeper process starts the watchdog itself again
-when it dies. ``stop`` stops the watchdog, then the server.
+when it dies. ``start`` on a running server whose watchdog is gone starts only the watchdog.
+``stop`` stops the watchdog, then the server.
 """
 from __future__ import annotations
 
@@ -194,7 +195,8 @@ def launch_file(pid_file) -> Path:
 
 
 class TritonServer:
-    """One tritonserver process (and, with `watchdog=True`, its stub watchdog process).
+    """One tritonserver process (and, with `watchdog=True`, its stub watchdog, under a keeper process
+    that starts the watchdog again when it dies).
     Use as a context manager, or call start()/stop().
 
     `admin_key`: None leaves every API open (for tests and tools that own the server); with a
@@ -309,8 +311,8 @@ class TritonServer:
             f"--log-file={self.watchdog_log_file}",
             f"--interval={self.watchdog_interval_s}",
             f"--probe-interval={self.watchdog_probe_interval_s}",
-        ] + ([f"--restart-from={launch_file(self.pid_file)}", f"--pid-file={self.pid_file}", "--keep"]
-             if self.restart else [])
+            "--keep",
+        ] + ([f"--restart-from={launch_file(self.pid_file)}", f"--pid-file={self.pid_file}"] if self.restart else [])
 
     @property
     def watchdog_log_file(self) -> Path:
@@ -636,6 +638,33 @@ def heal(grpc_url: str, admin_key: str | None = None, models=None) -> list:
 # --------------------------------------------------------------------------------------------
 # Command line
 # --------------------------------------------------------------------------------------------
+def start_missing_watchdog(info: dict, pid_file: Path, model_repository, key_from_env: bool) -> int:
+    """`start` on a running server whose watchdog is gone (its keeper was killed): start the
+    watchdog again for that server, as the first `start` did."""
+    if not key_from_env and not info.get("admin_key_file"):
+        print(f"the server was started with its admin key in {ADMIN_KEY_ENV}: set it", file=sys.stderr)
+        return 1
+    try:
+        key = read_admin_key() if key_from_env else read_admin_key(info["admin_key_file"])
+    except (OSError, ValueError) as e:
+        print(f"admin key: {e}", file=sys.stderr)
+        return 1
+    srv = TritonServer(
+        model_repository, info["grpc"], info["http"], info["metrics"], info["log"], address=info["address"],
+        admin_key=key, watchdog=True, ready_port=info["ready_port"], pid_file=pid_file,
+        restart=bool(info.get("restart")),
+    )
+    srv.pid = int(info["pid"])
+    try:
+        srv.start_watchdog()
+    except RuntimeError as e:
+        print(str(e), file=sys.stderr)
+        return 1
+    update_pid_file(pid_file, watchdog_pid=srv.watchdog_pid)
+    print(f"tritonserver already running (pid {srv.pid}); its watchdog was gone and runs again: pid {srv.watchdog_pid}")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m backend_src.serving.server",
@@ -673,8 +702,11 @@ def main(argv=None) -> int:
 
     if a.action == "start":
         if info and _is_process(int(info["pid"]), "tritonserver"):
-            print(f"already running ({pid_file})", file=sys.stderr)
-            return 1
+            wd_pid = info.get("watchdog_pid")
+            if not info.get("ready_port") or (wd_pid and _is_process(int(wd_pid), "serving.watchdog")):
+                print(f"already running ({pid_file})", file=sys.stderr)
+                return 1
+            return start_missing_watchdog(info, pid_file, a.model_repository, key_from_env)
         try:
             key = read_admin_key() if key_from_env else ensure_admin_key(key_file)
         except (OSError, ValueError) as e:

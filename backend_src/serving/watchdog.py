@@ -28,8 +28,8 @@ start waits 2, 4, ... up to 60 s before the next start, so a server that cannot 
 spin. Sessions come back from the event log at their next request. Without a launch file the
 watchdog exits when tritonserver is gone.
 
-Its keeper (`--keep`, which `server start` sets with the restart): the process `server start`
-leaves behind runs the watchdog as its child and starts it again when it dies of anything but a
+Its keeper (`--keep`, which `TritonServer` always sets): the process `server start` leaves
+behind runs the watchdog as its child and starts it again when it dies of anything but a
 stop (a kill from outside, the OOM killer, a fault of its own), waiting 1, 2, ... up to 30 s
 between quick deaths. The new watchdog reads the server's pid from the pid file, which follows a
 restart. The keeper is a loop with no threads, no network and no server client; SIGTERM passes
