@@ -1,6 +1,15 @@
 """Serving pieces without a server: request validation, generated configs,
-publishing and rollback of model versions."""
+publishing and rollback of model versions, the watchdog's keeper."""
+import os
 import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -310,3 +319,71 @@ def test_publish_failure_leaves_repository_untouched(tmp_path, fake_checkpoint, 
         pub.publish(fake_checkpoint, repo, ranker_onnx=fake_checkpoint)
     assert sorted(str(p.relative_to(repo)) for p in repo.rglob("*")) == before
     assert not [p for p in tmp_path.iterdir() if "staging" in p.name]
+
+
+# ------------------------------------------------------------------------------ the watchdog's keeper
+def _answers(url: str) -> bool:
+    try:
+        urllib.request.urlopen(url, timeout=2).close()
+    except urllib.error.HTTPError:
+        return True  # 503: there is no server, but the watchdog answers
+    except OSError:
+        return False
+    return True
+
+
+def _watchdogs(keeper: int) -> list:
+    out = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            cmd = Path(f"/proc/{entry}/cmdline").read_bytes()
+        except OSError:
+            continue
+        state, ppid = stat[stat.rindex(")") + 2:].split()[:2]
+        if int(ppid) == keeper and state != "Z" and b"serving.watchdog" in cmd:
+            out.append(int(entry))
+    return out
+
+
+def _wait(condition, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.1)
+
+
+def test_keeper_starts_the_watchdog_again_until_stopped(tmp_path):
+    """A watchdog that fails (its port is taken) or is killed is started again, after a growing
+    wait; SIGTERM to the keeper ends both at once."""
+    server = subprocess.Popen(["sleep", "120"])  # stands in for tritonserver: only its pid is watched
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port, log_file = taken.getsockname()[1], tmp_path / "watchdog.log"
+    keeper = subprocess.Popen(
+        [sys.executable, "-m", "backend_src.serving.watchdog", "--keep", f"--server-pid={server.pid}",
+         "--grpc-url=127.0.0.1:9", "--http-url=127.0.0.1:9", f"--ready-port={port}", f"--log-file={log_file}",
+         "--probe-interval=0"],
+        cwd=Path(__file__).resolve().parents[1], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        _wait(lambda: log_file.exists() and log_file.read_text().count("died (exit status 1)") >= 2, 30,
+              "a watchdog that cannot bind its port is not started again")
+        assert "starting it again in 1 s" in log_file.read_text() and "starting it again in 2 s" in log_file.read_text()
+        taken.close()
+        _wait(lambda: _answers(f"http://127.0.0.1:{port}/live"), 30, "no watchdog after the port was freed")
+        (first,) = _watchdogs(keeper.pid)
+        os.kill(first, signal.SIGKILL)
+        _wait(lambda: _watchdogs(keeper.pid) not in ([], [first]), 30, "a killed watchdog is not started again")
+        (second,) = _watchdogs(keeper.pid)
+        _wait(lambda: _answers(f"http://127.0.0.1:{port}/live"), 30, "the new watchdog does not answer")
+        keeper.send_signal(signal.SIGTERM)
+        assert keeper.wait(10) == 0  # it returns once it has reaped its watchdog
+        assert not Path(f"/proc/{second}").exists()
+    finally:
+        taken.close()
+        if keeper.poll() is None:
+            keeper.kill()
+        server.kill()
+        server.wait()
