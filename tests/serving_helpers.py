@@ -1,5 +1,9 @@
-"""A tiny untrained recommender checkpoint for the tests that start a real server."""
+"""A tiny untrained recommender checkpoint for the tests that start a real server, and the
+processes they look at in /proc."""
 from __future__ import annotations
+
+import os
+from pathlib import Path
 
 import pytest
 
@@ -23,3 +27,33 @@ def require_tritonserver() -> None:
         triton_home()
     except RuntimeError as e:
         pytest.skip(str(e))
+
+
+def children(pid: int) -> dict:
+    """{child pid: (state, command line)} of a process, read from /proc."""
+    out = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            state, ppid = stat[stat.rindex(")") + 2 :].split()[:2]
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, ValueError):
+            continue
+        if int(ppid) == pid:
+            out[int(entry)] = (state, cmdline)
+    return out
+
+
+def watchdogs(keeper: int) -> list:
+    """The live watchdog processes that `keeper` runs."""
+    return [pid for pid, (state, cmd) in children(keeper).items() if state != "Z" and "serving.watchdog" in cmd]
+
+
+def running(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"

@@ -33,7 +33,7 @@ pytestmark = pytest.mark.server
 grpcclient = pytest.importorskip("tritonclient.grpc")
 httpclient = pytest.importorskip("tritonclient.http")
 from tritonclient.utils import InferenceServerException  # noqa: E402
-from serving_helpers import build_tiny_checkpoint, require_tritonserver  # noqa: E402
+from serving_helpers import build_tiny_checkpoint, children, require_tritonserver, running, watchdogs  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 NUM_ITEMS = 60
@@ -77,23 +77,6 @@ def crash(pid: int) -> None:
     os.kill(pid, signal.SIGSEGV)
 
 
-def children(pid: int) -> dict:
-    """{child pid: (state, command line)} of a process, read from /proc."""
-    out = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-            state, ppid = stat[stat.rindex(")") + 2 :].split()[:2]
-            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except (OSError, ValueError):
-            continue
-        if int(ppid) == pid:
-            out[int(entry)] = (state, cmdline)
-    return out
-
-
 def stubs(server_pid: int) -> dict:
     """{pid: (state, model)} of the server's Python-backend stubs (model None for a zombie)."""
     out = {}
@@ -129,19 +112,6 @@ def stub_processes_of(repo) -> list:
             if b"triton_python_backend_stub" in cmd and str(repo).encode() in cmd:
                 out.append(int(entry))
     return out
-
-
-def watchdogs(keeper: int) -> list:
-    """The live watchdog processes that `keeper` runs."""
-    return [pid for pid, (state, cmd) in children(keeper).items() if state != "Z" and "serving.watchdog" in cmd]
-
-
-def running(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2] != "Z"
 
 
 def get(url: str) -> tuple:

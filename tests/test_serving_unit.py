@@ -24,6 +24,7 @@ from backend_src.serving.validation import (
 )
 from export import publish as pub
 from export.triton_configs import ServingOptions, render, write_configs
+from serving_helpers import running, watchdogs
 
 CFG = ModelConfig(num_items=50, d_model=16, num_layers=2, num_heads=2, max_seq_len=20, codebook_sizes=(4, 4, 4, 3))
 SIZES = P.model_sizes(CFG)
@@ -332,20 +333,6 @@ def _answers(url: str) -> bool:
     return True
 
 
-def _watchdogs(keeper: int) -> list:
-    out = []
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-            cmd = Path(f"/proc/{entry}/cmdline").read_bytes()
-        except OSError:
-            continue
-        state, ppid = stat[stat.rindex(")") + 2:].split()[:2]
-        if int(ppid) == keeper and state != "Z" and b"serving.watchdog" in cmd:
-            out.append(int(entry))
-    return out
-
-
 def _wait(condition, timeout_s: float, what: str) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
@@ -373,14 +360,14 @@ def test_keeper_starts_the_watchdog_again_until_stopped(tmp_path):
         assert "starting it again in 1 s" in log_file.read_text() and "starting it again in 2 s" in log_file.read_text()
         taken.close()
         _wait(lambda: _answers(f"http://127.0.0.1:{port}/live"), 30, "no watchdog after the port was freed")
-        (first,) = _watchdogs(keeper.pid)
+        (first,) = watchdogs(keeper.pid)
         os.kill(first, signal.SIGKILL)
-        _wait(lambda: _watchdogs(keeper.pid) not in ([], [first]), 30, "a killed watchdog is not started again")
-        (second,) = _watchdogs(keeper.pid)
+        _wait(lambda: watchdogs(keeper.pid) not in ([], [first]), 30, "a killed watchdog is not started again")
+        (second,) = watchdogs(keeper.pid)
         _wait(lambda: _answers(f"http://127.0.0.1:{port}/live"), 30, "the new watchdog does not answer")
         keeper.send_signal(signal.SIGTERM)
         assert keeper.wait(10) == 0  # it returns once it has reaped its watchdog
-        assert not Path(f"/proc/{second}").exists()
+        assert not running(second)
     finally:
         taken.close()
         if keeper.poll() is None:
