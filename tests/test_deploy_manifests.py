@@ -563,10 +563,14 @@ def test_triton_replicas(rendered):
     assert split_image(c["image"]) == ("genrec-triton", "latest")
     http = container_port(c, "http")
     assert (http, container_port(c, "grpc"), container_port(c, "metrics")) == (8000, 8001, 8002)
-    for probe, path in (("startupProbe", "/v2/health/ready"), ("readinessProbe", "/v2/health/ready"),
-                        ("livenessProbe", "/v2/health/live")):
+    # startup: Triton's own readiness (the watchdog starts after it); then the watchdog's, which also
+    # says 503 while a stage's stub is dead and stops answering once the watchdog and its keeper are gone
+    watchdog = container_port(c, "watchdog")
+    assert watchdog == load_entrypoint().PORTS["watchdog"]
+    for probe, port, path in (("startupProbe", http, "/v2/health/ready"), ("readinessProbe", watchdog, "/ready"),
+                              ("livenessProbe", watchdog, "/live")):
         get = c[probe]["httpGet"]
-        assert get["path"] == path and container_port(c, get["port"]) == http, probe
+        assert get["path"] == path and container_port(c, get["port"]) == port, probe
     # a model load of tens of seconds fits the startup budget with room; liveness is not hair-trigger
     assert seconds(c["startupProbe"]) >= 120
     assert seconds(c["livenessProbe"]) >= 30
@@ -883,6 +887,10 @@ def test_entrypoint_runs_the_server_the_manifests_expect(rendered):
     assert flags["--model-control-mode"] == "explicit"
     assert flags["--grpc-restricted-protocol"].endswith("genrec-admin-key=" + "k" * 32)
     assert srv.environment()["GENREC_EVENT_LOG"] == environment["GENREC_EVENT_LOG"]
+    # the watchdog answers the readiness and liveness probes: on by default, on the probed port, on every interface
+    watchdog = dict(a.split("=", 1) for a in srv.watchdog_command() if a.startswith("--") and "=" in a)
+    assert srv.watchdog and int(watchdog["--ready-port"]) == container_port(c, "watchdog")
+    assert watchdog["--address"] == "0.0.0.0"
     assert "GENREC_ADMIN_KEY" not in srv.environment()  # the models never see it
     for missing in ("GENREC_ADMIN_KEY", "GENREC_EVENT_LOG"):
         with pytest.raises(ep.ConfigError, match=missing):

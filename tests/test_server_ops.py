@@ -408,11 +408,14 @@ def test_cli_start_gives_a_running_server_its_watchdog_again(cli_server):
         time.sleep(0.1)
     r = server_cli("status", *cli_server["common"], env=clean_env())
     assert r.returncode == 3 and not json.loads(r.stdout)["watchdog"]["alive"], r.stdout
+    # what a liveness probe on the watchdog sees (deploy/: the kubelet then restarts the container)
+    with pytest.raises(urllib.error.URLError):
+        get(cli_server["ready_url"] + "/live")
     r = server_cli("start", *cli_server["common"], env=clean_env())
     assert r.returncode == 0 and "its watchdog was gone" in r.stdout, r.stdout + r.stderr
     new = json.loads(pid_file.read_text())
     assert new["pid"] == info["pid"] and new["watchdog_pid"] != keeper and len(watchdogs(new["watchdog_pid"])) == 1
-    assert get(cli_server["ready_url"] + "/ready")[0] == 200
+    assert get(cli_server["ready_url"] + "/ready")[0] == 200 and get(cli_server["ready_url"] + "/live")[0] == 200
     r = server_cli("start", *cli_server["common"], env=clean_env())
     assert r.returncode == 1 and "already running" in r.stderr, r.stdout + r.stderr
     cli_server["info"] = new

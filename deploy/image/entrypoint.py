@@ -11,7 +11,8 @@ reaped) and the same environment, but as a child that this process waits on:
   read-only, so the SQLite default beside it cannot work, and replicas must share one log);
 - the stub watchdog (`backend_src/serving/watchdog.py`) runs beside the server once it is
   ready, reloading a model whose Python stub died, under a keeper process that starts it again
-  if it dies (GENREC_WATCHDOG=0 turns both off);
+  if it dies; it answers the Deployment's readiness and liveness probes on 8003 (GENREC_WATCHDOG=0
+  turns both off, for a pod probed on Triton's own endpoints);
 - SIGTERM (the kubelet, after the preStop hook) stops the watchdog, then passes SIGTERM to
   tritonserver, which finishes in-flight requests for up to GENREC_EXIT_TIMEOUT_S seconds;
 - the container exits with tritonserver's exit code, so a crash restarts the container.
