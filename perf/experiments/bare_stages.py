@@ -1,8 +1,8 @@
 """How close can any stub come to Triton's floor? The benchmark model is published twice: as served, and with every
 stage's model.py replaced by a bare one that does only what the in-process request does, on the published stage's
-own model and event log: the encoder reads the events as they come (no checks, no log count, no metrics) and
-encodes, appends and logs them as the in-process request does; the decoder decodes the states with the served
-defaults (no checks, no option parsing); the ranker ranks the candidates in the served order (no checks). Each bare
+own model and event log: the encoder reads the events as they come (no checks, no log count, no session store, no
+metrics) and encodes, appends and logs them as the in-process request does; the decoder decodes the states with the
+served defaults (no checks, no option parsing); the ranker ranks the candidates in the served order (no checks). Each bare
 stage answers with the served stage's own response code. A bare stub is the least any stub can do and still answer
 the request, so its overhead over the in-process request and the floor is what remains of the three-process
 pipeline on this host whatever a stub's request handling costs. It is a measurement only: without its checks a bare
