@@ -574,6 +574,8 @@ def test_triton_replicas(rendered):
     # a model load of tens of seconds fits the startup budget with room; liveness is not hair-trigger
     assert seconds(c["startupProbe"]) >= 120
     assert seconds(c["livenessProbe"]) >= 30
+    # SIGTERM stops the watchdog before the drain: its liveness budget must outlast tritonserver's exit timeout
+    assert seconds(c["livenessProbe"]) > int(env(c)["GENREC_EXIT_TIMEOUT_S"]["value"])
     # the model repository: read-only on both ends, where GENREC_MODEL_REPOSITORY points
     spec = pod_spec(dep)
     vol = next(v for v in spec["volumes"] if "persistentVolumeClaim" in v)

@@ -97,7 +97,7 @@ def main() -> int:
             srv.wait_ready(float(os.environ.get("GENREC_START_TIMEOUT_S", "600")))
             if not stopping:
                 srv.start_watchdog()
-        except Exception as e:  # noqa: BLE001 - the server decides the container's fate, not the watchdog
+        except Exception as e:  # noqa: BLE001 - the server serves on; without a watchdog its liveness probe fails
             if not stopping:
                 print(f"genrec entrypoint: watchdog not started: {e}", file=sys.stderr, flush=True)
     code = srv.process.wait()
