@@ -84,8 +84,9 @@ class TritonPythonModel:
                                            torch.tensor([n]), in_place=True)
                     count = s.log.append_many([(key, logged, ids, actions, ts)])[0]
                     items = torch.cat([old_items, new])
-            self.sessions[key] = (cache, items, int(count))
-            responses.append(s._response(SimpleNamespace(cache=cache, history=(items,), truncated=0, count=int(count), restored=False)))
+            count = int(count)
+            self.sessions[key] = (cache, items, count)
+            responses.append(s._response(SimpleNamespace(cache=cache, history=(items,), truncated=0, count=count, restored=False)))
         return responses
 
     def _decoder(self, requests):
@@ -152,7 +153,7 @@ def main(argv=None):
     from perf.floor import floor_server
     from perf.served_eval import serve_repository
 
-    reps, warmup = (8, 3) if args.quick else (args.requests, 3)
+    reps, warmup = 8 if args.quick else args.requests, 3
     load_start = host_load()
     data = load_dataset(args.data, max_users=args.max_users)
     model = GenerativeRecommender.load(args.checkpoint)
