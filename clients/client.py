@@ -15,7 +15,7 @@ while a model was being swapped or a stage restarted, is retried safely (``retri
     rec = client.append("u1", ["B0003"], [5], [1700000120], top_k=5)
     client.close_session("u1")        # ends the visit; the history stays on the server
 
-Tensor names, dtypes and shapes come from ``backend_src.serving.protocol`` (the contract);
+Tensor names, dtypes and shapes come from ``genrec_contract.protocol`` (the contract);
 this module needs only numpy and tritonclient (no torch), so it also runs in a load-testing
 environment.
 """
@@ -30,7 +30,7 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from backend_src.serving import protocol as P
+from genrec_contract import protocol as P
 
 MAX_STRING_ID = 128  # longer string sequence ids are refused by the server
 _INT64_RANGE = 1 << 64

@@ -14,6 +14,7 @@ copied elsewhere and served:
 
     model.py           the stage's Triton model
     backend_src/       the package at this version (its .py files); model.py imports this copy
+    genrec_contract/   the tensor contract at this version
     <stage>.pt         this stage's part of the checkpoint (encoder.pt, decoder.pt, ranker.pt)
     ranker.onnx        the ranker's export (and ranker.plan where TensorRT built one)
     manifest.json      package version and hash, checkpoint hash, serving options, every file's hash
@@ -39,13 +40,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from backend_src.serving import protocol as P
+from genrec_contract import protocol as P
 from export.triton_configs import ServingOptions, add_serving_arguments, serving_options_from_args, write_configs
 
 RETIRED = ".retired"
 ENSEMBLE_VERSION = 1  # the ensemble has no weights: one version that always follows the latest steps
 PROJECT_ROOT = Path(__file__).resolve().parents[1]  # holds the package and model_repository/<model>/model.py
 PACKAGE = "backend_src"
+PACKAGES = (PACKAGE, "genrec_contract")  # what a version carries of the code
 MANIFEST = "manifest.json"
 STAGES = {P.ENCODER: "encoder", P.DECODER: "decoder", P.RANKER: "ranker"}  # keys of recommender.STAGE_PARTS
 SERVER_HELP = "gRPC address of a running server to reload, e.g. localhost:8001 (several: comma-separated)"
@@ -106,7 +108,7 @@ def publish(
     if server:
         check_server_access(server, admin_key)  # before anything changes
     sources = {m: package_root / "model_repository" / m / "model.py" for m in P.PYTHON_MODELS}
-    missing = [str(p) for p in [package_root / PACKAGE / "__init__.py", *sources.values()] if not p.is_file()]
+    missing = [str(p) for p in [*(package_root / pkg / "__init__.py" for pkg in PACKAGES), *sources.values()] if not p.is_file()]
     if missing:
         raise FileNotFoundError(f"{package_root} is not a package root: missing {', '.join(missing)}")
     recommender = GenerativeRecommender.load(checkpoint)
@@ -128,7 +130,8 @@ def publish(
             vdir = staging / model / str(v)
             vdir.mkdir(parents=True)
             shutil.copy2(sources[model], vdir / "model.py")
-            copy_package(package_root / PACKAGE, vdir / PACKAGE)
+            for pkg in PACKAGES:
+                copy_package(package_root / pkg, vdir / pkg)
             recommender.save_stage(vdir / f"{STAGES[model]}.pt", STAGES[model])
             exported = {}
             if model == P.RANKER:
@@ -204,12 +207,13 @@ def copy_package(package_dir: Path, dest: Path) -> None:
 
 
 def package_info(package_root: Path) -> dict:
-    """Name, __version__ and a hash of every .py file of the package under `package_root`."""
+    """Name, __version__ and a hash of every .py file of the packages under `package_root`."""
     package_dir = Path(package_root) / PACKAGE
     found = re.search(r'^__version__\s*=\s*["\']([^"\']+)["\']', (package_dir / "__init__.py").read_text(), re.M)
     h = hashlib.sha256()
-    for rel in _package_files(package_dir):
-        h.update(rel.as_posix().encode() + b"\0" + _sha256(package_dir / rel).encode() + b"\0")
+    for pkg in PACKAGES:
+        for rel in _package_files(Path(package_root) / pkg):
+            h.update(f"{pkg}/{rel.as_posix()}".encode() + b"\0" + _sha256(Path(package_root) / pkg / rel).encode() + b"\0")
     return {"name": PACKAGE, "version": found.group(1) if found else None, "sha256": h.hexdigest()}
 
 

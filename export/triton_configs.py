@@ -1,5 +1,5 @@
 """Generate every config.pbtxt of the model repository from the tensor contract
-(backend_src/serving/protocol.py), the model's ModelConfig and the serving options.
+(genrec_contract/protocol.py), the model's ModelConfig and the serving options.
 
 Configs name no path (each version runs the code published into it, export/publish.py) and
 are written by this tool only (atomically), never edited by hand:
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from backend_src.config import RANKER_MICROBATCH, DecodeOptions, ModelConfig
-from backend_src.serving import protocol as P
+from genrec_contract import protocol as P
 from backend_src.serving.session_store import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_BYTES, DEFAULT_PREFAULT_BYTES
 
 

@@ -316,7 +316,7 @@ def overflow_request(url: str) -> str:
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import InferenceServerException
 
-    from backend_src.serving import protocol as P
+    from genrec_contract import protocol as P
 
     c = grpcclient.InferenceServerClient(url)
     ids = grpcclient.InferInput(P.ITEM_IDS.name, [1, 1], "BYTES")
@@ -361,7 +361,7 @@ class SessionLoad:
         import tritonclient.grpc as grpcclient
         from tritonclient.utils import InferenceServerException
 
-        from backend_src.serving import protocol as P
+        from genrec_contract import protocol as P
         from clients.client import RecommenderClient, RecommenderError, SessionLost, event_inputs
 
         raw = grpcclient.InferenceServerClient(self.url)

@@ -43,7 +43,7 @@ from pathlib import Path
 import numpy as np
 
 from backend_src.results import REPO_ROOT, markdown_table, write_result
-from backend_src.serving import protocol as P
+from genrec_contract import protocol as P
 
 RESULTS_DIR = REPO_ROOT / "perf" / "results"
 DEFAULT_CHECKPOINT = REPO_ROOT / "runs" / "demo" / "model.pt"

@@ -1,8 +1,7 @@
 """The client is a package of its own: `clients` plus the tensor contract, numpy and tritonclient only.
 
-(a) With torch and every other part of the project refused at import, `import clients`, the client
-    class and `python -m clients.cli --help` still work, and nothing but the contract is loaded
-    from backend_src.
+(a) With torch and every other part of the project refused at import (backend_src whole), `import
+    clients`, the client class and `python -m clients.cli --help` still work.
 (b) The distribution's metadata (pyproject.toml) depends on numpy and tritonclient only, pinned as
     in requirements.txt.
 (c) Where setuptools is installed, the wheel built offline holds exactly the client modules and
@@ -25,9 +24,7 @@ from backend_src.results import REPO_ROOT
 pytest.importorskip("tritonclient.grpc")
 
 CLIENT_MODULES = {"clients/__init__.py", "clients/client.py", "clients/cli.py"}
-CONTRACT_MODULES = {"backend_src/serving/__init__.py", "backend_src/serving/protocol.py"}
-# the only backend_src modules a client may load: the contract and its (docstring-only) packages
-ALLOWED_BACKEND = {"backend_src", "backend_src.serving", "backend_src.serving.protocol"}
+CONTRACT_MODULES = {"genrec_contract/__init__.py", "genrec_contract/protocol.py"}
 
 # Run first in each subprocess: refuse torch, the GPU/JIT stacks, and every part of the project
 # other than the client and the contract.
@@ -36,14 +33,13 @@ import sys
 from importlib.abc import MetaPathFinder
 
 REFUSED = ("torch", "triton", "numba", "onnx", "onnxruntime", "onnxscript", "matplotlib",
-           "export", "perf", "examples", "model_repository")
-ALLOWED_BACKEND = {sorted(ALLOWED_BACKEND)!r}
+           "backend_src", "export", "perf", "examples", "model_repository")
 
 
 class Refuse(MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
         top = name.split(".")[0]
-        if top in REFUSED or (top == "backend_src" and name not in ALLOWED_BACKEND):
+        if top in REFUSED:
             raise ModuleNotFoundError(f"{{name}} refused: the client must not need it", name=name)
         return None
 
@@ -56,10 +52,10 @@ import json
 
 import clients
 from clients.client import RecommenderClient
-from backend_src.serving import protocol
+from genrec_contract import protocol
 
 assert clients.RecommenderClient is RecommenderClient
-loaded = sorted(m for m in sys.modules if m.split(".")[0] in ("backend_src", "torch", "clients"))
+loaded = sorted(m for m in sys.modules if m.split(".")[0] in ("backend_src", "torch", "clients", "genrec_contract"))
 print(json.dumps({"loaded": loaded, "protocol": protocol.__file__, "clients": clients.__file__}))
 """
 
@@ -82,7 +78,7 @@ def _check_client_runs(cwd) -> dict:
     assert r.returncode == 0, r.stderr
     info = json.loads(r.stdout.strip().splitlines()[-1])
     assert not [m for m in info["loaded"] if m.split(".")[0] == "torch"]
-    assert {m for m in info["loaded"] if m.split(".")[0] == "backend_src"} <= ALLOWED_BACKEND
+    assert not [m for m in info["loaded"] if m.split(".")[0] in ("backend_src", "torch")]
 
     r = _python(CLI_HELP, cwd)
     assert r.returncode == 0, r.stderr
@@ -93,7 +89,7 @@ def _check_client_runs(cwd) -> dict:
 
 def test_client_imports_without_torch_or_the_rest_of_the_project():
     info = _check_client_runs(REPO_ROOT)
-    assert info["protocol"] == str(REPO_ROOT / "backend_src" / "serving" / "protocol.py")
+    assert info["protocol"] == str(REPO_ROOT / "genrec_contract" / "protocol.py")
 
 
 def _pyproject() -> dict:
@@ -141,5 +137,5 @@ def test_wheel_holds_only_the_client_and_the_contract(tmp_path):
 
     # the wheel's files alone (run from where they were unpacked, the repository not on the path)
     info = _check_client_runs(tmp_path / "installed")
-    assert info["protocol"] == str(tmp_path / "installed" / "backend_src" / "serving" / "protocol.py")
+    assert info["protocol"] == str(tmp_path / "installed" / "genrec_contract" / "protocol.py")
     assert info["clients"] == str(tmp_path / "installed" / "clients" / "__init__.py")

@@ -32,7 +32,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from backend_src.serving import protocol as P
+from genrec_contract import protocol as P
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from backend_src.config import ModelConfig
-from backend_src.serving import protocol as P
+from genrec_contract import protocol as P
 from export.triton_configs import ServingOptions
 
 pytestmark = pytest.mark.server

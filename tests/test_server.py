@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from backend_src.config import DecodeOptions
-from backend_src.serving import protocol as P
+from genrec_contract import protocol as P
 from backend_src.serving.server import TritonServer, free_port
 from export import publish as pub
 from export.triton_configs import ServingOptions

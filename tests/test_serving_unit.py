@@ -17,7 +17,7 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
 from backend_src.config import DecodeOptions, ModelConfig
-from backend_src.serving import protocol as P
+from genrec_contract import protocol as P
 from backend_src.serving.validation import (
     MAX_TIMESTAMP, Limits, RequestError, check_continues, check_decoder_inputs, check_events, check_ranker_inputs, check_shape,
     check_timestamps, error_code, parse_options,

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from backend_src.config import DecodeOptions
-from backend_src.serving import protocol as P
+from genrec_contract import protocol as P
 from backend_src.serving.server import TritonServer, free_port
 from export import publish as pub
 from export.triton_configs import ServingOptions, config_from_checkpoint

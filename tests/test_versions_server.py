@@ -15,7 +15,7 @@ import torch
 import backend_src
 from backend_src.config import DecodeOptions
 from backend_src.model.recommender import STAGE_PARTS, GenerativeRecommender
-from backend_src.serving import protocol as P
+from genrec_contract import protocol as P
 from export import publish as pub
 from export.triton_configs import ServingOptions
 from serving_helpers import build_tiny_checkpoint, require_tritonserver
@@ -49,12 +49,12 @@ def test_a_version_holds_its_package_its_stage_and_a_manifest(tmp_path, checkpoi
     repo = tmp_path / "repo"
     options = ServingOptions(decode=DECODE, top_k=TOP_K)
     assert pub.publish(checkpoint, repo, options) == {m: 1 for m in P.PYTHON_MODELS}  # with the ONNX export
-    sources = sorted(p.relative_to(pub.PROJECT_ROOT / "backend_src")
-                     for p in (pub.PROJECT_ROOT / "backend_src").rglob("*.py") if "__pycache__" not in p.parts)
+    sources = sorted(p.relative_to(pub.PROJECT_ROOT) for pkg in pub.PACKAGES
+                     for p in (pub.PROJECT_ROOT / pkg).rglob("*.py") if "__pycache__" not in p.parts)
     for model, stage in pub.STAGES.items():
         vdir = repo / model / "1"
-        copied = sorted(p.relative_to(vdir / "backend_src") for p in (vdir / "backend_src").rglob("*") if p.is_file())
-        assert copied == sources  # the package's .py files, nothing else
+        copied = sorted(p.relative_to(vdir) for pkg in pub.PACKAGES for p in (vdir / pkg).rglob("*") if p.is_file())
+        assert copied == sources  # the packages' .py files, nothing else
         artifacts = {p.name for p in vdir.iterdir() if p.is_file()} - {"model.py", pub.MANIFEST}
         assert artifacts == ({f"{stage}.pt", "ranker.onnx"} if model == P.RANKER else {f"{stage}.pt"})
         m = pub.read_manifest(vdir)
@@ -125,7 +125,8 @@ def test_publish_needs_a_package_root(tmp_path, checkpoint):
 def _changed_package(root):
     """A package root whose code differs from this checkout's in two observable ways: its
     __version__ (each stage logs the one it imported) and the fused score (+ SHIFT)."""
-    pub.copy_package(pub.PROJECT_ROOT / "backend_src", root / "backend_src")
+    for pkg in pub.PACKAGES:
+        pub.copy_package(pub.PROJECT_ROOT / pkg, root / pkg)
     for m in P.PYTHON_MODELS:
         (root / "model_repository" / m).mkdir(parents=True)
         shutil.copy2(pub.PROJECT_ROOT / "model_repository" / m / "model.py", root / "model_repository" / m / "model.py")

@@ -1,2 +1,2 @@
-"""Serving helpers shared by the Triton models: the tensor contract (protocol), request
+"""Serving helpers shared by the Triton models: request
 validation, the per-session history store and the server launcher."""

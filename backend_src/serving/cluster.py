@@ -32,7 +32,7 @@ import sys
 import time
 from pathlib import Path
 
-from backend_src.serving.protocol import SESSION_HEADER
+from genrec_contract.protocol import SESSION_HEADER
 from backend_src.serving.redis_server import RedisServer, redis_server_binary
 from backend_src.serving.server import TritonServer, _alive, _terminate, ensure_admin_key, free_port
 

@@ -841,7 +841,7 @@ def main(argv=None) -> int:
     copy of it at the session's next request (its count no longer matches the log's)."""
     import argparse
 
-    from backend_src.serving.protocol import session_key
+    from genrec_contract.protocol import session_key
 
     ap = argparse.ArgumentParser(prog="python -m backend_src.serving.event_log", description=main.__doc__.split("\n")[0])
     ap.add_argument("action", choices=["show", "delete", "sweep"])

@@ -537,7 +537,7 @@ def _probe_inputs(model: str, client_module):
     stub is alive, and nothing changes (no session is started)."""
     import numpy as np
 
-    from backend_src.serving import protocol as P
+    from genrec_contract import protocol as P
 
     def tensor(spec, arr):
         t = client_module.InferInput(spec.name, list(arr.shape), spec.dtype)
@@ -560,7 +560,7 @@ def _metadata_probe(client, model: str, client_module):
     TOP_K = 0 where the model has it (refused by the model itself)."""
     import numpy as np
 
-    from backend_src.serving import protocol as P
+    from genrec_contract import protocol as P
 
     meta = client.get_model_metadata(model)
     inputs = []
@@ -587,7 +587,7 @@ def unhealthy_models(grpc_url: str, models=None) -> list:
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import InferenceServerException
 
-    from backend_src.serving import protocol as P
+    from genrec_contract import protocol as P
 
     bad = []
     client = grpcclient.InferenceServerClient(grpc_url)

@@ -27,7 +27,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from backend_src.config import ATTENTION_MODES, DecodeOptions
-from backend_src.serving import protocol as P
+from genrec_contract import protocol as P
 
 _SHOW = 5  # offending values named in a message
 MAX_TIMESTAMP = 2**53 - 1  # largest accepted timestamp (seconds); see the module doc

@@ -55,7 +55,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from backend_src.serving import protocol as P
+from genrec_contract import protocol as P
 from backend_src.serving.server import (
     ADMIN_KEY_ENV, _alive, _http_ok, _terminate, launch, read_pid_file, reload_model, unhealthy_models,
     update_pid_file,

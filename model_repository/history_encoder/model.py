@@ -99,7 +99,7 @@ class TritonPythonModel:
 
         from backend_src.model.hstu import HistoryCache
         from backend_src.model.recommender import GenerativeRecommender
-        from backend_src.serving import protocol as P
+        from genrec_contract import protocol as P
         from backend_src.serving import validation as V
         from backend_src.serving.event_log import WRITE_ASIDE_EVENTS, open_event_log
         from backend_src.serving.session_store import DEFAULT_PREFAULT_BYTES, Session, SessionStore, prefault_heap

@@ -59,7 +59,7 @@ class TritonPythonModel:
         import torch
 
         from backend_src.model.recommender import RANK_ORDERS, GenerativeRecommender, served_order
-        from backend_src.serving import protocol as P
+        from genrec_contract import protocol as P
         from backend_src.serving import validation as V
 
         self.torch, self.P, self.V, self.served_order = torch, P, V, served_order

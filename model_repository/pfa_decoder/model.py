@@ -37,7 +37,7 @@ class TritonPythonModel:
         import torch
 
         from backend_src.model.recommender import GenerativeRecommender
-        from backend_src.serving import protocol as P
+        from genrec_contract import protocol as P
         from backend_src.serving import validation as V
 
         self.torch, self.P, self.V = torch, P, V

@@ -12,7 +12,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from backend_src.serving import protocol as P
+from genrec_contract import protocol as P
 from perf.common import host_load, log, save_result
 from perf.experiments import bench_model_parser, served_settings
 from perf.experiments.encoder_phases import TIMERS

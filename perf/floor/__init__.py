@@ -14,7 +14,7 @@ NOOP_MODEL = Path(__file__).resolve().parent / "model.py"
 def write_floor_repository(repository, cfg, options) -> Path:
     """A model repository with the real configs (names, contract, batching) and the no-op model
     as version 1 of every Python stage."""
-    from backend_src.serving import protocol as P
+    from genrec_contract import protocol as P
     from export.publish import ENSEMBLE_VERSION
     from export.triton_configs import write_configs
 
