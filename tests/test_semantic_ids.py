@@ -6,13 +6,12 @@ import numpy as np
 import pytest
 import torch
 
+from backend_src.model.kmeans import balanced_assign, kmeans
 from backend_src.model.semantic_ids import (
     SemanticIdCodebook,
     assign_collision_codes,
-    balanced_assign,
     build_item_embeddings,
     collaborative_embeddings,
-    kmeans,
     residual_kmeans,
     text_embeddings,
 )

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from backend_src.model.semantic_ids import _sq_dists, kmeans
+from backend_src.model.kmeans import kmeans, sq_dists
 
 
 def _mlp(sizes) -> nn.Sequential:
@@ -59,7 +59,7 @@ class RQVAE(nn.Module):
         codes, residuals = [], []
         for level, book in enumerate(self.codebooks):
             r = residual.detach()
-            c = _sq_dists(r, book).argmin(1)
+            c = sq_dists(r, book).argmin(1)
             if self.training:
                 self._ema_update(level, c, r)
             e = book[c]
