@@ -90,9 +90,10 @@ ATTENTION_MODES = ("full", "pfa", "pfa_per_beam", "dynamic_topk")
 RANKER_MICROBATCH = 256
 
 
-@dataclass
+@dataclass(frozen=True)
 class DecodeOptions:
-    """How the beam search attends over history (the PFA paper's ablation axes), switchable per call."""
+    """How the beam search attends over history (the PFA paper's ablation axes), switchable per call.
+    Frozen: equal options are one key (the served decoder's batches, its CUDA graphs)."""
 
     mode: str = "pfa"  # one of ATTENTION_MODES
     beam_width: int = 100

@@ -1,7 +1,7 @@
-"""The history encoder's `execute` driven in one process (Triton's Python-backend API stood in by
+"""The history encoder's published model.py driven in one process (Triton's Python-backend API stood in by
 tests/triton_stand_in), for what a real server cannot be made to do on demand: an encode that fails
 after the log took the request's events. The published version runs in a fresh interpreter, which
-imports the package copy published with it, as its stub does."""
+imports the package copy published with it, as its stub does (the adapter's start-up checks that)."""
 import json
 import subprocess
 import sys
@@ -28,9 +28,10 @@ DRIVER = textwrap.dedent(
     spec = importlib.util.spec_from_file_location("encoder_stage", model_dir / "1" / "model.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    stage = module.TritonPythonModel()
-    stage.initialize({"model_config": json.dumps({"parameters": {k: {"string_value": v} for k, v in params.items()}}),
+    model = module.TritonPythonModel()
+    model.initialize({"model_config": json.dumps({"parameters": {k: {"string_value": v} for k, v in params.items()}}),
                       "model_repository": str(model_dir), "model_version": "1", "model_name": "history_encoder"})
+    stage = model.stage  # the package's EncoderStage behind the adapter
     key, out = "i:7", {}
 
     def send(first, n, before, start=False):
@@ -38,7 +39,7 @@ DRIVER = textwrap.dedent(
         ts = np.arange(first, first + n, dtype=np.int64)[None]
         inputs = [pb.Tensor("ITEM_IDS", items), pb.Tensor("ACTIONS", np.ones((1, n), np.int64)),
                   pb.Tensor("TIMESTAMPS", ts), pb.Tensor("EVENTS_BEFORE", np.array([[before]], np.int64))]
-        response = stage.execute([pb.InferenceRequest(inputs, 7, 1 if start else 0)])[0]
+        response = model.execute([pb.InferenceRequest(inputs, 7, 1 if start else 0)])[0]
         if response.has_error():
             return {"error": response.error().message()}
         got = {t.name(): t.as_numpy().reshape(-1)[0] for t in response.output_tensors()}
@@ -57,7 +58,7 @@ DRIVER = textwrap.dedent(
         out[name] = {"failed": send(first, n, before), **state()}
         del stage._run  # ... and its retry, with the same EVENTS_BEFORE, does not
         out[name]["retry"] = {**send(first, n, before), **state()}
-    stage.finalize()
+    model.finalize()
     print(json.dumps(out))
     """
 )

@@ -16,7 +16,6 @@ decode as written has none (`HostReadDetector` checks it, on the CPU too).
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import sys
 from pathlib import Path
 
@@ -27,10 +26,6 @@ from backend_src.decoding.beam_search import BeamResult, generate
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 HISTORY_BUCKETS = (64, 128, 256, 512, 1024, 2048)
-
-
-def options_key(options: DecodeOptions) -> tuple:
-    return dataclasses.astuple(options)
 
 
 class DecodeGraphs:
@@ -55,7 +50,7 @@ class DecodeGraphs:
             hist = sorted({n for n in hist if n < max_history} | {int(max_history)})
         self.history_buckets = tuple(hist)
         self.max_graphs = max_graphs
-        self._graphs: dict = {}  # (options key, batch, history) -> _Graph
+        self._graphs: dict = {}  # (options, batch, history, dtype) -> _Graph
         self._pool = None
         self.stats = dict(replays=0, captures=0, eager=0)
 
@@ -118,7 +113,7 @@ class DecodeGraphs:
         return self.stats["captures"] - before
 
     def _graph(self, options, batch, history, dtype) -> "_Graph":
-        key = (options_key(options), batch, history, dtype)
+        key = (options, batch, history, dtype)  # DecodeOptions is frozen: its own key
         g = self._graphs.get(key)
         if g is None:
             if len(self._graphs) >= self.max_graphs:  # the oldest capture goes

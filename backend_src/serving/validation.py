@@ -326,10 +326,18 @@ def flag(value, name: str) -> bool:
     return False if v is None else bool(v)
 
 
+def parse_top_k(values: Mapping, default_top_k: int, max_top_k: int) -> int:
+    """TOP_K of one request's option tensors, or the default."""
+    top_k = _int_in(values, "TOP_K", 1, max_top_k)
+    return default_top_k if top_k is None else top_k
+
+
 def parse_options(values: Mapping, defaults: DecodeOptions, default_top_k: int, limits: Limits) -> tuple:
     """Option tensors of one request (name -> array; missing ones absent or None) ->
-    (top_k, DecodeOptions), defaults filled in from the model's config."""
-    top_k = _int_in(values, "TOP_K", 1, limits.max_top_k)
+    (top_k, DecodeOptions), defaults filled in from the model's config. Each stage that reads decode
+    options parses them once per request here; requests with equal DecodeOptions (frozen, so
+    hashable: the options are their own key) are decoded in one batch."""
+    top_k = parse_top_k(values, default_top_k, limits.max_top_k)
     beam = _int_in(values, "BEAM_WIDTH", 1, limits.max_beam_width)
     k = _int_in(values, "PFA_K", 1, limits.max_pfa_k)
     step = _int_in(values, "SELECTION_STEP", 0, limits.num_codes - 1)
@@ -352,15 +360,9 @@ def parse_options(values: Mapping, defaults: DecodeOptions, default_top_k: int, 
         selection_step=step if step is not None else defaults.selection_step,
         collect_attention=False,
     )
-    top_k = top_k if top_k is not None else default_top_k
     if top_k > opts.beam_width:
         raise RequestError(f"TOP_K ({top_k}) must not exceed BEAM_WIDTH ({opts.beam_width}): the ranker reorders the beams")
     return top_k, opts
-
-
-def option_key(opts: DecodeOptions) -> tuple:
-    """Requests with equal keys can be decoded in one batch."""
-    return (opts.mode, opts.beam_width, opts.k, opts.r, opts.selection_step)
 
 
 # ------------------------------------------------------------------------------------------
@@ -369,22 +371,27 @@ def option_key(opts: DecodeOptions) -> tuple:
 def read_input(inputs: Mapping, spec: P.TensorSpec, sizes: dict, max_elements: int) -> np.ndarray | None:
     """The input `spec` of a request as numpy (None if an optional input is absent), its shape
     checked first. `inputs`: the request's tensors by name, built once per request (the backend's
-    get_input_tensor_by_name lists every input anew on each call)."""
+    get_input_tensor_by_name lists every input anew on each call): Triton's tensors, read only once
+    their declared shape has passed, or numpy arrays."""
     t = inputs.get(spec.name)
     if t is None:
         if spec.optional:
             return None
         raise RequestError(f"missing input '{spec.name}'")
+    if isinstance(t, np.ndarray):  # a stage driven with plain arrays (tests, benchmarks)
+        check_shape(spec, t.shape, sizes, max_elements)
+        return t
     check_shape(spec, t.shape(), sizes, max_elements)
     return t.as_numpy()
 
 
 # gRPC status name -> TritonError code name; anything else is the client's mistake (INVALID_ARG).
-# "UNAVAILABLE" is spelled out: it does not depend on protocol's constant for it.
+# "UNAVAILABLE" and "INTERNAL" are spelled out: protocol has no constant for INTERNAL (a client is never told to send it).
 _ERROR_CODES = {
     P.NOT_FOUND: "NOT_FOUND",
     P.RESOURCE_EXHAUSTED: "UNAVAILABLE",  # a full server: retrying later may succeed
     "UNAVAILABLE": "UNAVAILABLE",
+    "INTERNAL": "INTERNAL",  # the stage failed, not the request
 }
 
 

@@ -1,5 +1,5 @@
 """The part of Triton's Python-backend API that this project's stages call, in plain Python, so a
-test can drive a stage's `execute` in one process (tests/test_encoder_stage.py). Requests and
+test can drive a stage's `execute` in one process (tests/test_encoder_stage.py, tests/test_stages.py). Requests and
 tensors hold numpy arrays; metrics go nowhere."""
 import numpy as np
 
@@ -22,10 +22,13 @@ class TritonError:
     UNKNOWN, INTERNAL, NOT_FOUND, INVALID_ARG, UNAVAILABLE, UNSUPPORTED, ALREADY_EXISTS, CANCELLED = range(8)
 
     def __init__(self, message, code=UNKNOWN):
-        self._message = message
+        self._message, self._code = message, code
 
     def message(self):
         return self._message
+
+    def code(self):
+        return self._code
 
 
 class InferenceRequest:

@@ -1,0 +1,370 @@
+"""The served stages' request handling in one process, without Triton (backend_src.serving.stages): the
+encoder's sessions (open, append, recommend; exactly once across retries; gaps; a refused request changes
+nothing; a session rebuilt from the log), the decoder's batches by decode options, the ranker's top-K and
+EXCLUDE_SEEN, the three chained equal to the offline model, and the adapter between Triton and a stage.
+Each stage loads a tiny, untrained model published as the server would load it."""
+import dataclasses
+import importlib
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2
+
+from backend_src.config import DecodeOptions
+from backend_src.model.recommender import GenerativeRecommender
+from backend_src.serving.stages import startup, stub
+from backend_src.serving.stages.decoder import DecoderStage
+from backend_src.serving.stages.encoder import EncoderStage
+from backend_src.serving.stages.messages import END, INTERNAL, START, StageRequest, StageResponse
+from backend_src.serving.stages.ranker import RankerStage
+from backend_src.serving.validation import RequestError
+from export import publish as pub
+from export.triton_configs import ServingOptions
+from genrec_contract import protocol as P
+from serving_helpers import build_tiny_checkpoint
+
+NUM_ITEMS = 60
+MAX_HISTORY = 20
+DECODE = DecodeOptions(mode="pfa", beam_width=8, k=8, r=0.5, selection_step=1)
+TOP_K = 5
+STAND_IN = Path(__file__).parent / "triton_stand_in"
+
+
+def item_id(i: int) -> str:
+    return f"sku-{i}"
+
+
+@pytest.fixture(scope="module")
+def published(tmp_path_factory):
+    """A repository with one published version of each stage; the whole model for offline answers."""
+    tmp = tmp_path_factory.mktemp("stages")
+    ckpt = tmp / "model.pt"
+    build_tiny_checkpoint(ckpt, [None] + [item_id(i) for i in range(1, NUM_ITEMS + 1)], MAX_HISTORY, seed=3)
+    repo = tmp / "model_repository"
+    pub.publish(ckpt, repo, ServingOptions(decode=DECODE, top_k=TOP_K, ranker_backend="torch"), export_ranker=False)
+    return repo, GenerativeRecommender.load(ckpt)
+
+
+def params(repo: Path, model: str, **override) -> dict:
+    cfg = text_format.Parse((repo / model / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
+    return {k: v.string_value for k, v in cfg.parameters.items()} | {k: str(v) for k, v in override.items()}
+
+
+@pytest.fixture()
+def encoder(published, tmp_path, monkeypatch):
+    monkeypatch.delenv("GENREC_EVENT_LOG", raising=False)
+    repo, _ = published
+    stage = EncoderStage(repo / P.ENCODER / "1", params(repo, P.ENCODER, event_log=tmp_path / "events.sqlite3"))
+    yield stage
+    stage.close()
+
+
+@pytest.fixture(scope="module")
+def decoder(published):
+    repo, _ = published
+    return DecoderStage(repo / P.DECODER / "1", params(repo, P.DECODER))
+
+
+@pytest.fixture(scope="module")
+def ranker(published):
+    repo, _ = published
+    return RankerStage(repo / P.RANKER / "1", params(repo, P.RANKER))
+
+
+def events_request(sid, first: int, n: int, before=None, flags=0, t0: int = 1000, **options) -> StageRequest:
+    """n events of items first, first+1, ... at t0 + 60 i (before: EVENTS_BEFORE; options: name -> value)."""
+    inputs = {
+        P.ITEM_IDS.name: np.array([[item_id(1 + (first + i - 1) % NUM_ITEMS).encode() for i in range(n)]], dtype=object).reshape(1, n),
+        P.ACTIONS.name: np.ones((1, n), np.int64),
+        P.TIMESTAMPS.name: (t0 + 60 * np.arange(n, dtype=np.int64))[None],
+    }
+    if before is not None:
+        inputs[P.EVENTS_BEFORE.name] = np.array([[before]], np.int64)
+    for name, value in options.items():
+        spec = next(s for s in P.OPTION_INPUTS if s.name == name)
+        inputs[name] = np.array([[value.encode() if isinstance(value, str) else value]], dtype=spec.numpy_dtype)
+    return StageRequest(inputs, sid, flags)
+
+
+def one(stage, request) -> StageResponse:
+    (response,) = stage.handle([request])
+    return response
+
+
+def scalars(response: StageResponse) -> dict:
+    assert response.error is None, response.error
+    o = response.outputs
+    return {"count": int(o[P.EVENT_COUNT.name][0, 0]), "length": int(o[P.HISTORY_LENGTH.name][0, 0]),
+            "truncated": int(o[P.TRUNCATED.name][0, 0]), "restored": bool(o[P.RESTORED.name][0, 0])}
+
+
+def state(stage: EncoderStage, sid) -> dict:
+    key = P.session_key(sid)
+    session = stage.store.get(key)
+    return {"logged": stage.log.count(key), "cached": None if session is None else session.count}
+
+
+def offline_states(model, items, timestamps):
+    idx = torch.as_tensor(model.item_indices(items))[None]
+    with torch.no_grad():
+        return model.encode(idx, torch.ones_like(idx), torch.as_tensor(timestamps)[None], torch.tensor([len(items)]))
+
+
+# ------------------------------------------------------------------------------ encoder
+def test_encoder_open_append_recommend_match_the_offline_encoding(encoder, published):
+    _, model = published
+    opened = one(encoder, events_request(7, 1, 5, before=0, flags=START))
+    assert scalars(opened) == {"count": 5, "length": 5, "truncated": 0, "restored": False}
+    o = opened.outputs
+    L, D = model.cfg.num_layers, model.cfg.d_model
+    assert o[P.HISTORY_STATES.name].shape == (1, 5, D) and o[P.HISTORY_KEYS.name].shape[:3] == (1, L, 5)
+    assert o[P.HISTORY_ITEMS.name].tolist() == [model.item_indices([item_id(i) for i in range(1, 6)]).tolist()]
+
+    appended = one(encoder, events_request(7, 6, 2, before=5, t0=2000))
+    assert scalars(appended) == {"count": 7, "length": 7, "truncated": 0, "restored": False}
+    recommend = one(encoder, events_request(7, 1, 0, before=7))
+    assert scalars(recommend)["count"] == 7
+    # the appended cache is the whole history encoded at once
+    items = [item_id(i) for i in range(1, 8)]
+    cache = offline_states(model, items, [1000 + 60 * i for i in range(5)] + [2000, 2060])
+    for out in (appended, recommend):
+        np.testing.assert_allclose(out.outputs[P.HISTORY_STATES.name], cache.states.numpy(), rtol=1e-4, atol=1e-5)
+    assert state(encoder, 7) == {"logged": 7, "cached": 7}
+
+
+def test_encoder_applies_each_event_once_across_retries(encoder):
+    one(encoder, events_request(8, 1, 5, before=0, flags=START))
+    first = one(encoder, events_request(8, 6, 2, before=5, t0=2000))
+    retry = one(encoder, events_request(8, 6, 2, before=5, t0=2000))  # the same request again: nothing applied twice
+    assert scalars(first)["count"] == scalars(retry)["count"] == 7
+    np.testing.assert_array_equal(first.outputs[P.HISTORY_STATES.name], retry.outputs[P.HISTORY_STATES.name])
+    # a retry that overlaps: the event the server has is skipped, the new one applied
+    overlap = one(encoder, events_request(8, 7, 2, before=6, t0=2060))
+    assert scalars(overlap)["count"] == 8 and state(encoder, 8) == {"logged": 8, "cached": 8}
+    encoder.handle([])  # metrics are published once per call
+    assert encoder.metrics.totals["replayed"] == 2 + 1 and encoder.metrics.totals["logged"] == 5 + 2 + 1
+
+
+def test_encoder_refuses_a_gap_and_an_unknown_session_changing_nothing(encoder):
+    one(encoder, events_request(9, 1, 3, before=0, flags=START))
+    gap = one(encoder, events_request(9, 4, 2, before=5, t0=2000))
+    assert gap.status == P.FAILED_PRECONDITION and "server holds 3 events" in gap.error
+    assert state(encoder, 9) == {"logged": 3, "cached": 3}
+    unknown = one(encoder, events_request(10, 1, 0))
+    assert unknown.status == P.NOT_FOUND and state(encoder, 10) == {"logged": 0, "cached": None}
+    no_id = one(encoder, events_request(0, 1, 2, before=0, flags=START))
+    assert no_id.status == P.INVALID_ARGUMENT and "needs a sequence id" in no_id.error
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(TOP_K=0), "TOP_K must be in"),
+    (dict(DECODE_MODE="beam"), "DECODE_MODE must be one of"),
+    (dict(TOP_K=9), r"TOP_K \(9\) must not exceed BEAM_WIDTH \(8\)"),
+    (dict(t0=10), "before the session's last event"),
+    (dict(first=NUM_ITEMS + 5, unknown=True), "ITEM_IDS"),
+])
+def test_encoder_refused_request_changes_nothing(encoder, bad, message):
+    """Bad options, events out of time order, unknown items: refused with END set, the log and the cache as they were."""
+    import re
+
+    before = one(encoder, events_request(11, 1, 4, before=0, flags=START))
+    kwargs = dict(first=5, t0=5000) | {k: v for k, v in bad.items() if k != "unknown"}
+    request = events_request(11, kwargs.pop("first"), 2, before=4, flags=END, t0=kwargs.pop("t0"), **kwargs)
+    if bad.get("unknown"):
+        request.inputs[P.ITEM_IDS.name] = np.array([[b"no-such-item", b"sku-1"]], dtype=object)
+    refused = one(encoder, request)
+    assert refused.status == P.INVALID_ARGUMENT and re.search(message, refused.error), refused.error
+    assert state(encoder, 11) == {"logged": 4, "cached": 4}
+    after = one(encoder, events_request(11, 1, 0, before=4))
+    np.testing.assert_array_equal(after.outputs[P.HISTORY_STATES.name], before.outputs[P.HISTORY_STATES.name])
+
+
+def test_encoder_handles_one_sessions_requests_in_order_and_others_together(encoder):
+    responses = encoder.handle([
+        events_request(12, 1, 3, before=0, flags=START),
+        events_request(13, 10, 2, before=0, flags=START),
+        events_request(12, 4, 1, before=3, t0=2000),  # the same session: a later round sees the first's events
+        events_request(12, 4, 1, before=3, t0=2000),  # its retry in the same call
+    ])
+    assert [scalars(r)["count"] for r in responses] == [3, 2, 4, 4]
+
+
+def test_encoder_rebuilds_a_session_from_the_log(encoder, published, tmp_path):
+    repo, model = published
+    one(encoder, events_request(14, 1, 6, before=0, flags=START))
+    fresh = EncoderStage(repo / P.ENCODER / "1", params(repo, P.ENCODER, event_log=tmp_path / "events.sqlite3"))
+    try:
+        rebuilt = one(fresh, events_request(14, 7, 1, before=6, t0=3000))
+        assert scalars(rebuilt) == {"count": 7, "length": 7, "truncated": 0, "restored": True}
+        cache = offline_states(model, [item_id(i) for i in range(1, 8)], [1000 + 60 * i for i in range(6)] + [3000])
+        np.testing.assert_allclose(rebuilt.outputs[P.HISTORY_STATES.name], cache.states.numpy(), rtol=1e-4, atol=1e-5)
+        fresh.handle([])
+        assert fresh.metrics.totals["restored"] == 1
+    finally:
+        fresh.close()
+
+
+def test_encoder_keeps_the_most_recent_events(encoder):
+    opened = one(encoder, events_request(15, 1, MAX_HISTORY + 4, before=0, flags=START))
+    assert scalars(opened) == {"count": MAX_HISTORY + 4, "length": MAX_HISTORY, "truncated": 4, "restored": False}
+    grown = one(encoder, events_request(15, 30, 2, before=MAX_HISTORY + 4, t0=10**6))
+    assert scalars(grown) == {"count": MAX_HISTORY + 6, "length": MAX_HISTORY, "truncated": 2, "restored": False}
+
+
+def test_encoder_answers_unavailable_when_the_log_is_and_changes_nothing(encoder, monkeypatch):
+    one(encoder, events_request(16, 1, 3, before=0, flags=START))
+
+    def down(*args, **kwargs):
+        raise ConnectionError("log down")
+
+    monkeypatch.setattr(encoder.log, "counts", down)
+    refused = one(encoder, events_request(16, 4, 1, before=3, t0=2000))
+    assert refused.status == P.UNAVAILABLE and "event log is unavailable" in refused.error
+    monkeypatch.undo()
+    assert state(encoder, 16) == {"logged": 3, "cached": 3}
+
+
+# ------------------------------------------------------------------------------ decoder
+def states_request(states: np.ndarray, **options) -> StageRequest:
+    inputs = {P.HISTORY_STATES.name: states[None].astype(np.float32)}
+    for name, value in options.items():
+        spec = next(s for s in P.DECODE_OPTION_INPUTS if s.name == name)
+        inputs[name] = np.array([[value.encode() if isinstance(value, str) else value]], dtype=spec.numpy_dtype)
+    return StageRequest(inputs)
+
+
+def test_decoder_batches_requests_by_their_decode_options(decoder, monkeypatch):
+    rng = np.random.default_rng(0)
+    histories = [rng.standard_normal((n, decoder.model.cfg.d_model)).astype(np.float32) for n in (3, 7, 5, 4)]
+    requests = [
+        states_request(histories[0]),
+        states_request(histories[1], DECODE_MODE="full"),
+        states_request(histories[2], BEAM_WIDTH=DECODE.beam_width),  # the default, given: the same options
+        states_request(histories[3], PFA_K=0),  # refused alone
+    ]
+    alone = [one(decoder, r) for r in requests[:3]]
+    calls = []
+    real = decoder._decode
+    monkeypatch.setattr(decoder, "_decode", lambda states, opts: calls.append((len(states), opts)) or real(states, opts))
+    together = decoder.handle(requests)
+    assert sorted(len_ for len_, _ in calls) == [1, 2]
+    assert {opts for _, opts in calls} == {DECODE, dataclasses.replace(DECODE, mode="full")}
+    for a, b in zip(alone, together):
+        assert a.error is None and b.error is None
+        np.testing.assert_array_equal(a.outputs[P.CANDIDATE_ITEMS.name], b.outputs[P.CANDIDATE_ITEMS.name])
+        np.testing.assert_allclose(a.outputs[P.CANDIDATE_LOG_PROBS.name], b.outputs[P.CANDIDATE_LOG_PROBS.name], rtol=1e-5, atol=1e-5)
+    assert together[0].outputs[P.CANDIDATE_ITEMS.name].shape == (1, DECODE.beam_width)
+    assert together[3].status == P.INVALID_ARGUMENT and "PFA_K must be in" in together[3].error
+
+
+def test_decoder_checks_its_inputs(decoder):
+    bad = np.zeros((3, decoder.model.cfg.d_model), np.float32)
+    bad[1, 2] = np.nan
+    refused = one(decoder, states_request(bad))
+    assert refused.status == P.INVALID_ARGUMENT and "non-finite" in refused.error
+    wrong = one(decoder, StageRequest({P.HISTORY_STATES.name: np.zeros((1, 3, 5), np.float32)}))
+    assert wrong.status == P.INVALID_ARGUMENT and "HISTORY_STATES" in wrong.error
+
+
+def test_decode_options_are_their_own_key():
+    a, b = DecodeOptions(beam_width=8), DecodeOptions(beam_width=8)
+    assert a == b and hash(a) == hash(b) and len({a, b, DecodeOptions(beam_width=9)}) == 2
+    with pytest.raises(AttributeError):
+        a.beam_width = 9  # frozen: an options object used as a key never changes
+
+
+# ------------------------------------------------------------------------------ ranker (and the three chained)
+def ranker_request(encoded: StageResponse, decoded: StageResponse, **options) -> StageRequest:
+    names = [t.name for t in P.RANKER_CONTRACT.inputs if t.name in encoded.outputs or t.name in decoded.outputs]
+    inputs = {n: encoded.outputs.get(n, decoded.outputs.get(n)) for n in names}
+    if "TOP_K" in options:
+        inputs[P.TOP_K.name] = np.array([[options["TOP_K"]]], np.int32)
+    if "EXCLUDE_SEEN" in options:
+        inputs[P.EXCLUDE_SEEN.name] = np.array([[options["EXCLUDE_SEEN"]]], np.bool_)
+    return StageRequest(inputs)
+
+
+def chain(encoder, decoder, sid, n):
+    encoded = one(encoder, events_request(sid, 1, n, before=0, flags=START))
+    decoded = one(decoder, StageRequest({P.HISTORY_STATES.name: encoded.outputs[P.HISTORY_STATES.name]}))
+    return encoded, decoded
+
+
+def test_three_stages_chained_equal_the_offline_model(encoder, decoder, ranker, published):
+    _, model = published
+    encoded, decoded = chain(encoder, decoder, 20, 6)
+    ranked = one(ranker, ranker_request(encoded, decoded))
+    assert ranked.error is None
+    cache = offline_states(model, [item_id(i) for i in range(1, 7)], [1000 + 60 * i for i in range(6)])
+    rec = model.recommend(cache, DECODE, top_k=TOP_K)
+    assert [x.decode() for x in ranked.outputs[P.RECOMMENDED_IDS.name][0]] == [model.item_ids[i] or "" for i in rec.items[0].tolist()]
+    np.testing.assert_allclose(ranked.outputs[P.RANK_SCORES.name][0], rec.rank_scores[0].numpy(), rtol=1e-4, atol=1e-4)
+    assert ranked.outputs[P.SEMANTIC_IDS.name].shape == (1, TOP_K, model.cfg.num_codes)
+
+
+def test_ranker_top_k_exclude_seen_and_batches(encoder, decoder, ranker):
+    encoded, decoded = chain(encoder, decoder, 21, 8)
+    # the candidates include the history's items: EXCLUDE_SEEN leaves them out
+    history = encoded.outputs[P.HISTORY_ITEMS.name][0]
+    cands = decoded.outputs[P.CANDIDATE_ITEMS.name].copy()
+    cands[0, :3] = history[:3]
+    decoded = StageResponse({**decoded.outputs, P.CANDIDATE_ITEMS.name: cands})
+    requests = [ranker_request(encoded, decoded, TOP_K=3), ranker_request(encoded, decoded, TOP_K=8, EXCLUDE_SEEN=True),
+                ranker_request(encoded, decoded, TOP_K=300)]
+    alone = [one(ranker, r) for r in requests]
+    together = ranker.handle(requests)
+    seen = {ranker.raw_ids[i] for i in history}
+    kept, excluded = together[0].outputs, together[1].outputs
+    assert kept[P.RECOMMENDED_IDS.name].shape == (1, 3) and excluded[P.RECOMMENDED_IDS.name].shape == (1, 8)
+    scores = kept[P.RANK_SCORES.name][0]
+    assert (np.diff(scores) <= 0).all()  # best first
+    assert not seen & set(excluded[P.RECOMMENDED_IDS.name][0].tolist()) - {b""}
+    assert seen & set(ranker.handle([ranker_request(encoded, decoded, TOP_K=8)])[0].outputs[P.RECOMMENDED_IDS.name][0].tolist())
+    for a, b in zip(alone[:2], together[:2]):  # ranked in one batch as alone
+        np.testing.assert_array_equal(a.outputs[P.RECOMMENDED_IDS.name], b.outputs[P.RECOMMENDED_IDS.name])
+        np.testing.assert_allclose(a.outputs[P.RANK_SCORES.name], b.outputs[P.RANK_SCORES.name], rtol=1e-5, atol=1e-5)
+    assert together[2].status == P.INVALID_ARGUMENT and "TOP_K must be in [1, 256], got 300" in together[2].error
+
+
+# ------------------------------------------------------------------------------ start-up and Triton's side
+def test_stub_keeps_each_status_as_tritons_error_code(monkeypatch):
+    monkeypatch.syspath_prepend(str(STAND_IN))
+    pb = importlib.import_module("triton_python_backend_utils")
+    E = pb.TritonError
+    responses = [
+        StageResponse({"X": np.zeros((1, 2), np.float32)}),
+        StageResponse.failed(RequestError("bad"), "stage"),
+        StageResponse.failed(RequestError("gone", P.NOT_FOUND), "stage"),
+        StageResponse.failed(RequestError("gap", P.FAILED_PRECONDITION), "stage"),
+        StageResponse.failed(RequestError("busy", P.UNAVAILABLE), "stage"),
+        StageResponse.failed(RequestError("full", P.RESOURCE_EXHAUSTED), "stage"),
+        StageResponse.failed(RuntimeError("boom"), "stage"),
+        StageResponse.internal(RequestError("late"), "stage"),
+    ]
+    out = stub.triton_responses(responses, pb)
+    assert [t.name() for t in out[0].output_tensors()] == ["X"] and not out[0].has_error()
+    assert [r.error().code() for r in out[1:]] == [E.INVALID_ARG, E.NOT_FOUND, E.INVALID_ARG, E.UNAVAILABLE, E.UNAVAILABLE,
+                                                   E.INTERNAL, E.INTERNAL]
+    assert out[6].error().message() == "stage: RuntimeError: boom" and responses[7].status == INTERNAL
+    requests = stub.plain_requests([pb.InferenceRequest([pb.Tensor("A", np.ones((1, 1)))], "user-1", START | END)])
+    assert requests[0].correlation_id == "user-1" and requests[0].flags == START | END
+    assert requests[0].inputs["A"].as_numpy().tolist() == [[1.0]]  # Triton's tensor, read once its shape is checked
+
+
+def test_startup_reads_parameters_and_checks_the_packages_came_from_the_version(tmp_path):
+    import json
+
+    assert startup.config_params(json.dumps({"parameters": {"top_k": {"string_value": "7"}}})) == {"top_k": "7"}
+    with pytest.raises(RuntimeError, match="not from the version directory"):
+        startup.check_own_copies(tmp_path)
+    root = Path(sys.modules["backend_src"].__file__).resolve().parents[1]  # this checkout holds both packages
+    args = {"model_repository": str(root.parent), "model_version": root.name, "model_name": "m",
+            "model_config": json.dumps({"parameters": {"torch_threads": {"string_value": str(torch.get_num_threads())}}})}
+    logged = []
+    start = startup.start(args, logged.append)
+    assert start.version_dir == root and start.params["torch_threads"] == str(torch.get_num_threads())
+    assert logged == [f"m v{root.name}: backend_src {sys.modules['backend_src'].__version__}"]
