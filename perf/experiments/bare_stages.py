@@ -25,23 +25,25 @@ from genrec_contract import protocol as P
 from perf.common import host_load, log, save_result
 from perf.experiments import bench_model_parser, served_settings
 
-# replaces each stage's model.py; the published one is kept beside it as served_model.py
+# replaces each stage's model.py; the published one is kept beside it as served_model.py, and its stage
+# (backend_src.serving.stages) does the work
 BARE_MODEL_PY = '''
 import importlib.util
 from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
+import torch
 import triton_python_backend_utils as pb_utils
 
 HERE = Path(__file__).parent
 
 
-def _served_module():
+def _served_model():
     spec = importlib.util.spec_from_file_location("served_model", HERE / "served_model.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module
+    return module.TritonPythonModel()
 
 
 def _inputs(request):
@@ -50,9 +52,13 @@ def _inputs(request):
 
 class TritonPythonModel:
     def initialize(self, args):
-        self.module = _served_module()
-        self.stage = self.module.TritonPythonModel()
-        self.stage.initialize(args)
+        self.served = _served_model()
+        self.served.initialize(args)  # puts the version's own package first on the path
+        from backend_src.serving.stages import stub
+        from backend_src.serving.stages.ranker import Ranking
+        from genrec_contract import protocol as P
+
+        self.stage, self.stub, self.P, self.Ranking = self.served.stage, stub, P, Ranking
         self._execute = {"%(encoder)s": self._encoder, "%(decoder)s": self._decoder, "%(ranker)s": self._ranker}[args["model_name"]]
         self.sessions = {}  # the encoder's: session key -> (cache, items tensor, events logged)
 
@@ -60,11 +66,11 @@ class TritonPythonModel:
         return self._execute(requests)
 
     def _encoder(self, requests):
-        s, torch = self.stage, self.stage.torch
+        s = self.stage
         responses = []
         for r in requests:
             x = _inputs(r)
-            key = s.P.session_key(r.correlation_id())
+            key = self.P.session_key(r.correlation_id())
             ids = list(map(bytes.decode, x["%(items)s"].reshape(-1).tolist()))
             actions = x["%(actions)s"].reshape(-1).astype(np.int64)
             ts = x["%(timestamps)s"].reshape(-1).astype(np.int64)
@@ -87,10 +93,10 @@ class TritonPythonModel:
             count = int(count)
             self.sessions[key] = (cache, items, count)
             responses.append(s._response(SimpleNamespace(cache=cache, history=(items,), truncated=0, count=count, restored=False)))
-        return responses
+        return self.stub.triton_responses(responses, pb_utils)
 
     def _decoder(self, requests):
-        s, P = self.stage, self.stage.P
+        s, P = self.stage, self.P
         responses = []
         for r in requests:
             items, log_probs, codes = s._decode([_inputs(r)[P.HISTORY_STATES.name][0]], s.defaults)
@@ -100,12 +106,12 @@ class TritonPythonModel:
         return responses
 
     def _ranker(self, requests):
-        s, P = self.stage, self.stage.P
+        s, P = self.stage, self.P
         responses = []
         for r in requests:
             x = _inputs(r)
             one = lambda spec: x[spec.name][0]  # noqa: E731
-            ranking = self.module._Ranking(
+            ranking = self.Ranking(
                 one(P.HISTORY_STATES)[-1], one(P.HISTORY_KEYS), one(P.HISTORY_VALUES), one(P.HISTORY_TIMESTAMPS),
                 one(P.HISTORY_ITEMS), one(P.CANDIDATE_ITEMS), one(P.CANDIDATE_LOG_PROBS), one(P.CANDIDATE_CODES),
                 s.default_top_k, False)
@@ -119,8 +125,8 @@ class TritonPythonModel:
         return responses
 
     def finalize(self):
-        if hasattr(self.stage, "finalize"):
-            self.stage.finalize()
+        if hasattr(self.served, "finalize"):
+            self.served.finalize()
 ''' % {"encoder": P.ENCODER, "decoder": P.DECODER, "ranker": P.RANKER, "items": P.ITEM_IDS.name, "actions": P.ACTIONS.name,
        "timestamps": P.TIMESTAMPS.name}
 

@@ -22,36 +22,56 @@ from perf.experiments import bench_model_parser, served_settings
 # (kind, history) in the order they are sent; each kind's requests are one execute each
 ROWS = (("recommend", 50), ("append", 50), ("open", 512))
 
-PHASES = ("_parse", "_plan", "_set_base", "_encode_and_log", "_commit", "_response", "_round", "_publish_metrics", "execute",
-          "_run", "_write_log")  # the round's steps first; the last two run side by side inside _encode_and_log
+# (label, owner, attribute): the encoder stage's steps (backend_src.serving.stages.encoder) behind the model.py
+# adapter, the round's steps first; _run and _write_log run side by side inside _encode_and_log
+PHASES = (("_parse", "self.stage", "_parse"), ("_plan", "self.stage", "_plan"), ("_set_base", "self.stage", "_set_base"),
+          ("_encode_and_log", "self.stage", "_encode_and_log"), ("_commit", "self.stage", "_commit"),
+          ("_response", "self.stage", "_response"), ("_round", "self.stage", "_round"),
+          ("_publish_metrics", "self.stage.metrics", "publish"), ("execute", "self", "execute"),
+          ("_run", "self.stage", "_run"), ("_write_log", "self.stage", "_write_log"))
+LABELS = tuple(label for label, _, _ in PHASES)
 
-# appended to the published copy of the encoder's model.py: per execute, each phase's wall time (summed over its
-# calls; a phase not run counts 0), written at unload
+# appended to a published copy of a stage's model.py: once the model has loaded, each (label, owner, attribute) of
+# the list it is given (owner evaluated with `self`, the model, and `V`, the version's validation module) is timed;
+# per execute, each label's wall time (summed over its calls; one not run counts 0), written at unload
 TIMERS = '''
 
-def _timed(name, executes):
+_PHASE_TIMES = []
+
+
+def _time(owner, label, name):
     import time
-    inner = getattr(TritonPythonModel, name, None)
-    if inner is None:  # a phase an earlier commit's encoder does not have
+    inner = getattr(owner, name, None)
+    if inner is None:  # a phase this version's stage does not have
         return
 
-    def timed(self, *args, **kwargs):
-        if name == "execute":
-            executes.append({})
+    def timed(*args, **kwargs):
+        if label == "execute":
+            _PHASE_TIMES.append({})
         t0 = time.perf_counter()
         try:
-            return inner(self, *args, **kwargs)
+            return inner(*args, **kwargs)
         finally:
-            phases = executes[-1]
-            phases[name] = phases.get(name, 0.0) + time.perf_counter() - t0
+            if _PHASE_TIMES:
+                phases = _PHASE_TIMES[-1]
+                phases[label] = phases.get(label, 0.0) + time.perf_counter() - t0
 
-    setattr(TritonPythonModel, name, timed)
+    setattr(owner, name, timed)
 
 
-_PHASE_TIMES = []
-for _name in %r:
-    _timed(_name, _PHASE_TIMES)
-_finalize = TritonPythonModel.finalize
+_initialize_untimed = TritonPythonModel.initialize
+
+
+def _initialize_timed(self, args):
+    _initialize_untimed(self, args)
+    from backend_src.serving import validation as V  # the version's own copy, the one its stage calls
+
+    for label, owner, name in %r:
+        _time(eval(owner, {"self": self, "V": V}), label, name)
+
+
+TritonPythonModel.initialize = _initialize_timed
+_finalize = getattr(TritonPythonModel, "finalize", lambda self: None)
 
 
 def _finalize_and_write(self):
@@ -134,9 +154,9 @@ def main(argv=None):
     for k, (kind, history) in enumerate(ROWS):
         first = 1 + k * (warmup + reps) + warmup
         executes = times[first:first + reps]
-        phases = {name: statistics.median(e.get(name, 0.0) for e in executes) * 1e3 for name in PHASES}
+        phases = {name: statistics.median(e.get(name, 0.0) for e in executes) * 1e3 for name in LABELS}
         phases["log_count_read_and_rest"] = statistics.median(
-            e["_round"] - sum(e.get(n, 0.0) for n in PHASES[:6]) for e in executes) * 1e3
+            e["_round"] - sum(e.get(n, 0.0) for n in LABELS[:6]) for e in executes) * 1e3
         rows.append(dict(kind=kind, history=history, reps=reps, **served[kind], floor_encoder_compute_p50_ms=no_op[kind]["encoder_compute_p50_ms"],
                          phases_p50_ms=phases))
         log(f"{kind}: encoder compute {served[kind]['encoder_compute_p50_ms']:.2f} ms (floor "

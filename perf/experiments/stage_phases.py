@@ -1,8 +1,8 @@
 """Where does each stage's time go inside its Triton stub on a cached `recommend`? The benchmark model is published
 into a temporary repository whose copies of the three stages' model.py get timers (encoder_phases' TIMERS) around
-the steps of their `execute` and around the calls those make into the package (reading and checking the inputs,
-the model's work, the served order); one client sends cached recommends one at a time and reads Triton's
-compute_infer of each stage around each. What a stage spends outside the timed steps is building the response.
+their `execute`, the steps of the stage behind it and the calls those make into the package (reading and checking
+the inputs, the model's work, the served order); one client sends cached recommends one at a time and reads
+Triton's compute_infer of each stage around each. What a stage spends outside the timed steps is building the response.
 Run from the repository root (needs the benchmark model, `make bench-served` trains it):
     python -m perf.experiments.stage_phases            # -> perf/results/stage_phases.json
     python -m perf.experiments.stage_phases --quick --out -
@@ -17,53 +17,21 @@ from perf.common import host_load, log, save_result
 from perf.experiments import bench_model_parser, served_settings
 from perf.experiments.encoder_phases import TIMERS
 
-# per stage: its own methods, then (object, attribute) calls into the package, timed once the stage has loaded
+# per stage, (label, owner, attribute) timed once the stage has loaded: the model's execute, its stage's own steps
+# (backend_src.serving.stages), then calls into the package (V: the version's validation module)
 PHASES = {
-    P.ENCODER: (("execute", "_parse", "_round", "_set_base", "_response", "_publish_metrics"),
-                (("self.V", "read_input"), ("self.V", "parse_options"), ("self.log", "counts"))),
-    P.DECODER: (("execute", "_read", "_decode"),
-                (("self.V", "read_input"), ("self.V", "parse_options"), ("self.V", "check_decoder_inputs"), ("self.graphs", "retrieve"))),
-    P.RANKER: (("execute", "_read", "_order", "_scores"),
-               (("self.V", "read_input"), ("self.V", "check_ranker_inputs"), ("self.runtime", "score"), ("self", "served_order"))),
+    P.ENCODER: (("execute", "self", "execute"), ("_parse", "self.stage", "_parse"), ("_round", "self.stage", "_round"),
+                ("_set_base", "self.stage", "_set_base"), ("_response", "self.stage", "_response"),
+                ("_publish_metrics", "self.stage.metrics", "publish"),
+                ("read_input", "V", "read_input"), ("parse_options", "V", "parse_options"), ("counts", "self.stage.log", "counts")),
+    P.DECODER: (("execute", "self", "execute"), ("_read", "self.stage", "_read"), ("_decode", "self.stage", "_decode"),
+                ("read_input", "V", "read_input"), ("parse_options", "V", "parse_options"),
+                ("check_decoder_inputs", "V", "check_decoder_inputs"), ("retrieve", "self.stage.graphs", "retrieve")),
+    P.RANKER: (("execute", "self", "execute"), ("_read", "self.stage", "_read"), ("_order", "self.stage", "_order"),
+               ("_scores", "self.stage", "_scores"), ("read_input", "V", "read_input"),
+               ("check_ranker_inputs", "V", "check_ranker_inputs"), ("score", "self.stage.runtime", "score"),
+               ("served_order", "self.stage", "served_order")),
 }
-
-# appended before TIMERS, which writes the times out when the model is finalized
-HAS_FINALIZE = '''
-
-if not hasattr(TritonPythonModel, "finalize"):
-    TritonPythonModel.finalize = lambda self: None
-'''
-
-# appended after TIMERS: wrap calls into the package once initialize has made the objects
-CALL_TIMERS = '''
-
-_initialize_untimed = TritonPythonModel.initialize
-
-
-def _initialize_timed(self, args):
-    _initialize_untimed(self, args)
-    import time
-
-    def wrap(owner, name):
-        inner = getattr(owner, name)
-
-        def timed(*a, **k):
-            t0 = time.perf_counter()
-            try:
-                return inner(*a, **k)
-            finally:
-                if _PHASE_TIMES:
-                    phases = _PHASE_TIMES[-1]
-                    phases[name] = phases.get(name, 0.0) + time.perf_counter() - t0
-
-        setattr(owner, name, timed)
-
-    for owner, name in %r:
-        wrap(eval(owner, {"self": self}), name)
-
-
-TritonPythonModel.initialize = _initialize_timed
-'''
 
 
 def main(argv=None):
@@ -91,9 +59,9 @@ def main(argv=None):
         with tempfile.TemporaryDirectory(prefix="genrec-stage-phases-", dir=scratch_parent()) as tmp:
             repo = Path(tmp) / "model_repository"
             publish(args.checkpoint, repo, serving)
-            for stage, (methods, calls) in PHASES.items():
+            for stage, phases in PHASES.items():
                 model_py = repo / stage / "1" / "model.py"
-                model_py.write_text(model_py.read_text() + HAS_FINALIZE + TIMERS % (methods, str(Path(tmp) / f"{stage}.json")) + CALL_TIMERS % (calls,))
+                model_py.write_text(model_py.read_text() + TIMERS % (phases, str(Path(tmp) / f"{stage}.json")))
             with serve_repository(repo) as server:
                 client, stats = RecommenderClient(server.grpc_url), grpcclient.InferenceServerClient(server.grpc_url)
                 client.open_session("phases", *long_history(data, n), **options)
