@@ -71,8 +71,9 @@ def parse_args(argv=None):
     p.add_argument("--no-hstu-profile", action="store_true",
                    help="skip timing the HSTU kernel per tile shape and without its biases")
     p.add_argument("--baseline-kernels", type=Path, default=None,
-                   help="another version of backend_src/ops/triton_kernels.py whose hstu_attention is "
-                        "checked and timed beside this one (side by side in one run)")
+                   help="another version of the kernels (a backend_src/ops/triton_kernels package directory, "
+                        "or a single-file version) whose hstu_attention is checked and timed beside this one "
+                        "(side by side in one run)")
     p.add_argument("--skip-decode", action="store_true")
     p.add_argument("--peak-bw", type=float, default=None,
                    help="device memory bandwidth in bytes/s (default: from the device, else 4.8e12)")
@@ -221,8 +222,8 @@ def bench_decode(torch, R, K, timer, args, cfg, dtype, dev, info) -> dict:
     # PFA's selection fused with the gather of the kept states, against the unfused composition:
     # on the same scores the same order (torch.topk, distinct scores) and exactly its rows; the op
     # against pfa_select + gather_rows (each scoring anew: float atomics may break a near-tie differently)
-    scores = K._pfa_scores(q, k, lengths, w)
-    f_order, (f_rows,) = K._select_rows(scores, keep, (states,))
+    scores = K.selection.pfa_scores(q, k, lengths, w)
+    f_order, (f_rows,) = K.selection.select_rows(scores, keep, (states,))
     chk["pfa_select_rows_same_order"] = bool(torch.equal(f_order[pos], torch.topk(scores, keep, dim=1).indices[pos]))
     chk["pfa_select_rows_exact"] = bool(torch.equal(f_rows, K.gather_rows(states, f_order)))
     (f_rows,), f_kept = K.pfa_select_rows(q, k, lengths, w, keep, (states,))
@@ -287,14 +288,14 @@ def bench_decode(torch, R, K, timer, args, cfg, dtype, dev, info) -> dict:
 
     # ---- where the selection ops spend their time: scores kernel, then torch.topk (and the gather
     # of the kept states), or the fused top-k + gather kernel
-    pfa_scores = K._pfa_scores(q, k, lengths, w)
-    beam_scores = K._beam_head_mean(q, k, lengths)
+    pfa_scores = K.selection.pfa_scores(q, k, lengths, w)
+    beam_scores = K.decode.beam_head_mean(q, k, lengths)
     parts = {
-        "pfa_scores": lambda: K._pfa_scores(q, k, lengths, w),
+        "pfa_scores": lambda: K.selection.pfa_scores(q, k, lengths, w),
         "pfa_topk": lambda: torch.topk(pfa_scores, keep, dim=1),
         "pfa_topk_gather": lambda: K.gather_rows(states, torch.topk(pfa_scores, keep, dim=1).indices),
-        "pfa_select_rows_kernel": lambda: K._select_rows(pfa_scores, keep, (states,)),
-        "beam_scores": lambda: K._beam_head_mean(q, k, lengths),
+        "pfa_select_rows_kernel": lambda: K.selection.select_rows(pfa_scores, keep, (states,)),
+        "beam_scores": lambda: K.decode.beam_head_mean(q, k, lengths),
         "beam_topk": lambda: torch.topk(beam_scores, keep, dim=-1),
     }
     res["parts_ms"] = {name: timer(fn) for name, fn in parts.items()}
@@ -398,23 +399,23 @@ def bench_hstu(torch, R, K, timer, args, cfg, dtype, dev, info, baseline=None) -
         res["baseline"] = {**rates(timer(lambda: baseline.hstu_attention(*call_args, *extra))),
                            "checks": check(baseline.hstu_attention(*call_args, *extra))}
     if not args.no_hstu_profile:
-        # every tile shape of the dtype's list (the op uses K.hstu_tile), then the best one with
+        # every tile shape of the dtype's list (the op uses K.hstu.hstu_tile), then the best one with
         # every pair's own time bucket (the per-pair path alone), without the time bias and without
         # both biases: what each part of the kernel costs
         def name(tile):
             return "x".join(map(str, tile))
 
-        tile_list = getattr(K, "HSTU_TILES_FP32", K.HSTU_TILES) if dtype == torch.float32 else K.HSTU_TILES
+        tile_list = K.hstu.HSTU_TILES_FP32 if dtype == torch.float32 else K.hstu.HSTU_TILES
         tiles = {}
         for tile in tile_list:
-            launch = lambda tile=tile: K._launch_hstu(*call_args, *extra, tiles=tile)  # noqa: E731
+            launch = lambda tile=tile: K.hstu.launch_hstu(*call_args, *extra, tiles=tile)  # noqa: E731
             tiles[name(tile)] = {**rates(timer(launch)), "checks": check(launch())}
         best = min(tile_list, key=lambda tile: tiles[name(tile)]["ms"])
-        parts = {f"biases={n}": rates(timer(lambda n=n: K._launch_hstu(*call_args, *extra, tiles=best, biases=n)))
+        parts = {f"biases={n}": rates(timer(lambda n=n: K.hstu.launch_hstu(*call_args, *extra, tiles=best, biases=n)))
                  for n in (1, 0)}
-        per_pair = lambda: K._launch_hstu(*call_args, *extra, tiles=best, time_steps=0)  # noqa: E731
+        per_pair = lambda: K.hstu.launch_hstu(*call_args, *extra, tiles=best, time_steps=0)  # noqa: E731
         parts["per_pair_time"] = {**rates(timer(per_pair)), "checks": check(per_pair())}
-        parts["op_at_best"] = rates(timer(lambda: K._launch_hstu(*call_args, *extra, tiles=best)))
+        parts["op_at_best"] = rates(timer(lambda: K.hstu.launch_hstu(*call_args, *extra, tiles=best)))
         res["profile"] = {"tiles": tiles, "best": name(best), "parts_at_best": parts}
     return res
 
@@ -660,10 +661,8 @@ def main(argv=None) -> int:
 
     baseline = None
     if args.baseline_kernels is not None:  # a module of its own, beside ours
-        import importlib.util
-        spec = importlib.util.spec_from_file_location("baseline_triton_kernels", args.baseline_kernels)
-        baseline = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(baseline)
+        from backend_src.ops.kernel_copies import load_copy
+        baseline = load_copy(args.baseline_kernels, "baseline_triton_kernels")
 
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     dev = "cpu" if args.cpu_smoke else "cuda"

@@ -12,7 +12,8 @@
 #    installed; the HSTU kernel in fp32 (its non-spilling tiles) into fp32/;
 # 4. M-FALCON ranking (perf.bench_ranking) and history caching (perf.bench_caching) on the GPU.
 # GENREC_COMMIT names the commit in the result files when the tree was copied without its history;
-# BASELINE_KERNELS (a file: another version of backend_src/ops/triton_kernels.py) is timed beside ours.
+# BASELINE_KERNELS (another version of the kernels: a backend_src/ops/triton_kernels directory, or a
+# single-file version) is timed beside ours.
 # Each step has its own time limit and writes its results as it goes, so one failing or slow step
 # leaves the others' results. Everything printed also goes to OUT_DIR/run.log. STEPS (names, space
 # separated) runs only those steps, e.g. to split the run into commands that each fit a time limit:

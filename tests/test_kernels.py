@@ -2,14 +2,13 @@
 
 Triton picks interpreter or compile mode when @triton.jit functions are decorated, for its own
 language library (at `import triton`) as well as for our kernels. So this file sets
-TRITON_INTERPRET=1 before Triton's first import, loads its own copy of the kernels module, and
+TRITON_INTERPRET=1 before Triton's first import, loads its own copy of the kernels package, and
 puts the variable back. If Triton was already imported in compile mode by an earlier test file,
-the tests rerun in a fresh interpreter process instead. The wrappers are called directly (not
-through the dispatcher), except in the one test that checks the dispatcher's routing.
+the tests rerun in a fresh interpreter process instead. The kernel ops are called directly (not
+through the dispatcher), except in the tests of the dispatcher's one backend decision.
 """
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
 import subprocess
@@ -35,14 +34,12 @@ INTERPRETED = not isinstance(tl.zeros, triton.runtime.JITFunction)
 
 
 def _load_interpreted_kernels():
-    """A private copy of the kernels module whose kernels run in the interpreter."""
+    """A private copy of the kernels package whose kernels run in the interpreter."""
+    from backend_src.ops.kernel_copies import KERNELS_PACKAGE, load_copy
+
     os.environ["TRITON_INTERPRET"] = "1"
     try:
-        spec = importlib.util.spec_from_file_location(
-            "_genrec_triton_kernels_interpreted", REPO / "backend_src" / "ops" / "triton_kernels.py")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        return mod
+        return load_copy(KERNELS_PACKAGE, "_genrec_triton_kernels_interpreted")
     finally:  # put the variable back so it does not leak into later test files
         if _SAVED_INTERPRET is None:
             os.environ.pop("TRITON_INTERPRET", None)
@@ -175,8 +172,8 @@ def test_selection_scores(shape, dtype):
     mean = R.attention_probs(*_f32(q, k), lengths).mean(2)  # [B, W, N]
     past = torch.arange(k.shape[1])[None, :] >= lengths[:, None]
     pooled = torch.einsum("bw,bwn->bn", w, mean).masked_fill(past, float("-inf"))
-    _close(K._beam_head_mean(q, k, lengths), mean, PROB_TOL[dtype])
-    _close(K._pfa_scores(q, k, lengths, w), pooled, PROB_TOL[dtype])
+    _close(K.decode.beam_head_mean(q, k, lengths), mean, PROB_TOL[dtype])
+    _close(K.selection.pfa_scores(q, k, lengths, w), pooled, PROB_TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -258,12 +255,12 @@ def test_select_rows_ties_and_padding(N, keep):
     x = torch.randn(B, N, 3, 5, generator=g)
     ids = torch.randint(0, 10**12, (B, N), generator=g)
     flags = torch.rand(B, N, 2, generator=g) > 0.5
-    order, (xk, idk, fk) = K._select_rows(scores, keep, (x, ids, flags))
+    order, (xk, idk, fk) = K.selection.select_rows(scores, keep, (x, ids, flags))
     expected = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :keep]
     assert torch.equal(order, expected)
     assert torch.equal(xk, R.gather_rows(x, expected)) and xk.is_contiguous()
     assert torch.equal(idk, R.gather_rows(ids, expected)) and torch.equal(fk, R.gather_rows(flags, expected))
-    _, (fk, xk) = K._select_rows(scores, keep, (flags, x))  # bool rows in the kernel
+    _, (fk, xk) = K.selection.select_rows(scores, keep, (flags, x))  # bool rows in the kernel
     assert torch.equal(fk, R.gather_rows(flags, expected)) and torch.equal(xk, R.gather_rows(x, expected))
 
 
@@ -272,10 +269,10 @@ def test_pfa_select_rows_long_histories_unfused(monkeypatch):
     q, k, v, lengths = _decode_inputs(2, 3, 2, 40, 16, [40, 9], torch.float32, seed=29)
     w = torch.softmax(torch.randn(2, 3, generator=torch.Generator().manual_seed(30)), -1)
     fused = K.pfa_select_rows(q, k, lengths, w, 16, (k, v))
-    monkeypatch.setattr(K, "SELECT_ROWS_MAX_N", 32)
+    monkeypatch.setattr(K.selection, "SELECT_ROWS_MAX_N", 32)
     launches = []
-    real = K._select_rows
-    monkeypatch.setattr(K, "_select_rows", lambda *a: launches.append(1) or real(*a))
+    real = K.selection.select_rows
+    monkeypatch.setattr(K.selection, "select_rows", lambda *a: launches.append(1) or real(*a))
     unfused = K.pfa_select_rows(q, k, lengths, w, 16, (k, v))
     assert not launches
     assert torch.equal(fused[1], unfused[1])
@@ -504,8 +501,8 @@ def test_hstu_time_bias_per_row_path(epoch):
     # 10 tiles: 4 diagonal, 3 next to it (per pair); the 3 others take the per-row path
     assert (fast, total) == (3, 10)
     tile = (64, 64, 4, 1)  # the tiles _fast_tiles counts
-    out = K._launch_hstu(*args, tiles=tile, time_steps=3)
-    assert torch.equal(out, K._launch_hstu(*args, tiles=tile, time_steps=0))
+    out = K.hstu.launch_hstu(*args, tiles=tile, time_steps=3)
+    assert torch.equal(out, K.hstu.launch_hstu(*args, tiles=tile, time_steps=0))
     _close(out, R.hstu_attention(*args), TOL[torch.float32])
 
 
@@ -527,8 +524,8 @@ def test_hstu_time_bias_per_row_path_at_thresholds(t0):
     args = (q, k, v, pos, pos, ts, ts, nh, q_self, pb, tb, 1.6, d ** -0.5, float(N))
     assert _fast_tiles(ts[0], ts[0], N, N, 64, 3)[0] >= 2  # (block 2 or 3, key tile 0)
     tile = (64, 64, 4, 1)
-    out = K._launch_hstu(*args, tiles=tile, time_steps=3)
-    assert torch.equal(out, K._launch_hstu(*args, tiles=tile, time_steps=0))
+    out = K.hstu.launch_hstu(*args, tiles=tile, time_steps=3)
+    assert torch.equal(out, K.hstu.launch_hstu(*args, tiles=tile, time_steps=0))
     _close(K.hstu_attention(*args), out, TOL[torch.float32])  # the op's own tile
     _close(out, R.hstu_attention(*args), TOL[torch.float32])
 
@@ -548,8 +545,8 @@ def test_hstu_time_bias_per_row_path_candidates_and_fp16():
     args = (q_c, k, v, nh[:, None].expand(B, M), k_pos, last_ts.expand(B, M), k_ts, nh,
             (Nh + torch.arange(M))[None].expand(B, M), torch.randn(H, Nh + 1, generator=g).half(),
             (torch.randn(H, T, generator=g) * 3).half(), 1.6, d ** -0.5, float(Nh))
-    out = K._launch_hstu(*args, time_steps=3)
-    assert torch.equal(out, K._launch_hstu(*args, time_steps=0))
+    out = K.hstu.launch_hstu(*args, time_steps=3)
+    assert torch.equal(out, K.hstu.launch_hstu(*args, time_steps=0))
     ref = R.hstu_attention(*_f32(*args[:3]), *args[3:9], args[9].float(), args[10].float(), *args[11:])
     _close(out, ref, dict(atol=2e-3, rtol=1e-2))
 
@@ -570,24 +567,46 @@ def test_dispatcher_routes_to_kernels(monkeypatch):
         assert callable(getattr(K, name)) and callable(getattr(dispatch, name))
 
 
-def test_unsupported_inputs_use_reference():
+def test_unsupported_inputs_use_reference(monkeypatch):
+    """Other dtypes (float64) and empty inputs: the dispatcher's one decision sends them to the
+    reference, even with the backend forced to Triton (the kernels' supports says no)."""
+    monkeypatch.setenv("GENREC_OPS_BACKEND", "triton")
+    monkeypatch.setattr(dispatch, "_triton_module", lambda: K)
     q, k, v, lengths = _decode_inputs(2, 3, 2, 20, 16, [20, 4], torch.float64, seed=16)
-    torch.testing.assert_close(K.decode_attention(q, k, v, lengths), R.decode_attention(q, k, v, lengths))
+    assert not K.supports("decode_attention", (q, k, v, lengths), {})
+    torch.testing.assert_close(dispatch.decode_attention(q, k, v, lengths), R.decode_attention(q, k, v, lengths))
     empty = torch.empty(0, 3, 2, 16)
-    assert K.attention_probs(empty, torch.empty(0, 20, 2, 16), torch.empty(0, dtype=torch.long)).shape == (0, 3, 2, 20)
+    assert dispatch.attention_probs(empty, torch.empty(0, 20, 2, 16), torch.empty(0, dtype=torch.long)).shape \
+        == (0, 3, 2, 20)
+    q32, k32, v32 = _f32(q, k, v)
+    assert K.supports("decode_attention", (q32, k32, v32, lengths), {})
+    assert K.supports("dynamic_topk_attention", (q32, k32, v32, lengths, 4), {"return_indices": True})
+    assert K.supports("gather_rows", (q, lengths[:, None]), {})  # rows are copied in any dtype
+    assert not K.supports("no_such_op", (q32,), {})
 
 
-def test_calls_needing_gradients_use_reference():
-    """The kernels are forward-only: training through the ops must keep its autograd graph."""
+def test_calls_needing_gradients_use_reference(monkeypatch):
+    """The kernels are forward-only: training through the ops must keep its autograd graph, and
+    without gradients the same call runs the kernel."""
+    monkeypatch.setenv("GENREC_OPS_BACKEND", "triton")
+    monkeypatch.setattr(dispatch, "_triton_module", lambda: K)
+    calls = []
+    real = K.hstu_attention
+    monkeypatch.setattr(K, "hstu_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     args = list(_history_case(1, 12, 1, 16, 16, [12], torch.float32, seed=20))
     pb, tb = _hstu_bias(1, 8, 8, seed=21)
     pb.requires_grad_(True)
-    out = K.hstu_attention(*args, pb, tb, 1.6, 0.25, 12.0)
-    assert out.grad_fn is not None
+    out = dispatch.hstu_attention(*args, pb, tb, 1.6, 0.25, 12.0)
+    assert out.grad_fn is not None and not calls
     out.sum().backward()
     assert pb.grad is not None
     with torch.no_grad():
-        assert K.hstu_attention(*args, pb, tb, 1.6, 0.25, 12.0).grad_fn is None
+        assert dispatch.hstu_attention(*args, pb, tb, 1.6, 0.25, 12.0).grad_fn is None
+    assert calls == [1]
+    rows = torch.randn(1, 12, 4, requires_grad=True)  # a tensor of the rows tuple counts too
+    w = torch.ones(1, 12)
+    (kept,), _ = dispatch.pfa_select_rows(args[0], args[1], args[7], w, 4, (rows,))
+    assert kept.grad_fn is not None
 
 
 @pytest.mark.parametrize("mode", ["full", "pfa", "pfa_per_beam", "dynamic_topk"])

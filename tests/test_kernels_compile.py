@@ -10,7 +10,6 @@ registers).
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import io
 import json
 import os
@@ -32,7 +31,6 @@ except ImportError as exc:  # pragma: no cover - depends on the installed Triton
                 allow_module_level=True)
 
 REPO = Path(__file__).resolve().parents[1]
-KERNELS_FILE = REPO / "backend_src" / "ops" / "triton_kernels.py"
 TARGET = GPUTarget("cuda", 90, 32)
 # Triton fixes interpreter/compile mode for its language library at its first import; when an
 # earlier test file imported it for the interpreter, the compiles run in a fresh process.
@@ -40,19 +38,26 @@ IN_PROCESS = isinstance(tl.zeros, triton.runtime.JITFunction)
 
 
 def _load_compilable_kernels():
-    """A private copy of the kernels module whose @triton.jit functions are compilable."""
+    """A private copy of the kernels package whose @triton.jit functions are compilable."""
+    from backend_src.ops.kernel_copies import KERNELS_PACKAGE, load_copy
+
     saved = os.environ.pop("TRITON_INTERPRET", None)
     try:
-        spec = importlib.util.spec_from_file_location("_genrec_triton_kernels_compiled", KERNELS_FILE)
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
+        return load_copy(KERNELS_PACKAGE, "_genrec_triton_kernels_compiled")
     finally:
         if saved is not None:
             os.environ["TRITON_INTERPRET"] = saved
-    return mod
 
 
 K = _load_compilable_kernels() if IN_PROCESS else None
+
+
+def _kernels_by_name() -> dict:
+    """Every @triton.jit kernel (a name ending in _kernel) of the package's modules, by name."""
+    from backend_src.ops.kernel_copies import modules_of
+
+    return {n: obj for mod in modules_of(K) for n, obj in vars(mod).items()
+            if n.endswith("_kernel") and isinstance(obj, triton.runtime.JITFunction)}
 
 # pointer arguments that hold integer indices / lengths / positions / timestamps
 INT_PTRS = {"len_ptr", "idx_ptr", "qpos_ptr", "kpos_ptr", "qts_ptr", "kts_ptr", "nh_ptr", "qself_ptr", "cthr_ptr"}
@@ -107,7 +112,7 @@ CASES = [
     ("_beam_head_mean_kernel", "d64",
      lambda dt: dict(BLOCK_W=64, BLOCK_N=64, BLOCK_D=64, DOT_PRECISION=_precision(dt))),
     ("_gather_rows_kernel", "rows", lambda dt: dict(BLOCK_J=8, BLOCK_F=512)),
-    # the op's launches (warps: triton_kernels._select_rows_warps): a user's 2048 scores, then its
+    # the op's launches (warps: triton_kernels.selection._select_rows_warps): a user's 2048 scores, then its
     # kept states (F 64) and K (F 256); and the longest history one program sorts
     # (SELECT_ROWS_MAX_N), one tensor
     ("_pfa_select_rows_kernel", "n2048_two_tensors",
@@ -136,7 +141,7 @@ def _compile(kernel: str, case: str, dtype: str, options=None, constexprs=None):
         entry = next(c for c in CASES if c[0] == kernel and c[1] == case)
         constexprs = entry[2](dtype)
         options = options or (entry[3] if len(entry) > 3 else None)
-    fn = getattr(K, kernel)
+    fn = _kernels_by_name()[kernel]
     assert isinstance(fn, triton.runtime.JITFunction)
     src = ASTSource(fn, signature=_signature(fn, dtype), constexprs=constexprs)
     compiled = triton.compile(src, target=TARGET, options=options or {"num_warps": 4})
@@ -177,7 +182,7 @@ def _hstu_usage(dtype: str, d: int) -> dict:
     """ptxas' counts for the op's HSTU tile of `dtype` at head dim d ({} where they cannot be read)."""
     import torch
 
-    bm, bn, warps, stages = K.hstu_tile(torch.float32 if dtype == "fp32" else torch.float16, d)
+    bm, bn, warps, stages = K.hstu.hstu_tile(torch.float32 if dtype == "fp32" else torch.float16, d)
     constexprs = dict(D=d, DV=d, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=d, BLOCK_DV=d, DOT_PRECISION=_precision(dtype),
                       BIASES=2, TIME_STEPS=3)
     usage = _ptxas_usage("_hstu_attention_kernel", "", dtype, {"num_warps": warps, "num_stages": stages}, constexprs)
@@ -189,8 +194,7 @@ SELECT_ROWS_CASES = [c[1] for c in CASES if c[0] == "_pfa_select_rows_kernel"]
 
 
 def _jitted_kernels() -> list:
-    return sorted(n for n, obj in vars(K).items()
-                  if n.endswith("_kernel") and isinstance(obj, triton.runtime.JITFunction))
+    return sorted(_kernels_by_name())
 
 
 def _compile_all() -> dict:
@@ -272,7 +276,7 @@ def test_hstu_tile_registers(dtype, d, request):
 @pytest.mark.parametrize("case", SELECT_ROWS_CASES)
 def test_select_rows_registers(case, request):
     """ptxas counts of PFA's fused selection: a user's keys are sorted in registers, so the warps
-    per history length (triton_kernels._select_rows_warps) must keep them there: no spills."""
+    per history length (triton_kernels.selection._select_rows_warps) must keep them there: no spills."""
     usage = _usage_or_skip(request, f"usage/select_rows/{case}",
                            lambda: _ptxas_usage("_pfa_select_rows_kernel", case, "fp16"))
     print(f"select rows {case}: {usage['registers']} registers, "

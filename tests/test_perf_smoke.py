@@ -177,9 +177,9 @@ def test_report_gpu_section(results, tmp_path):
 def test_gpu_kernels_script_cpu_smoke(tmp_path):
     """The GPU benchmark script itself (checks, HSTU profile per tile, a baseline kernels file
     beside ours, the Markdown) on tiny shapes through Triton's CPU interpreter, so that a GPU run
-    is not spent finding a script error. Here the baseline is our own file."""
+    is not spent finding a script error. Here the baseline is our own package."""
     pytest.importorskip("triton")
-    kernels = REPO_ROOT / "backend_src" / "ops" / "triton_kernels.py"
+    kernels = REPO_ROOT / "backend_src" / "ops" / "triton_kernels"
     subprocess.run(
         [sys.executable, "perf/gpu_kernels.py", "--cpu-smoke", "--out", str(tmp_path),
          "--baseline-kernels", str(kernels)],

@@ -1,8 +1,9 @@
 """The op layer: one function per op, dispatched to the fastest backend for the tensors given.
 
-``reference`` (torch) always exists and defines the semantics. ``triton_kernels`` holds the
-Triton-lang kernels, used for CUDA tensors when Triton is importable (or everywhere when
-``GENREC_OPS_BACKEND=triton`` with ``TRITON_INTERPRET=1``, which is how the CPU tests run them).
+``reference`` (torch) always exists and defines the semantics. The ``triton_kernels`` package holds
+the Triton-lang kernels, one module per op family, used for CUDA tensors when Triton is importable
+(or everywhere when ``GENREC_OPS_BACKEND=triton`` with ``TRITON_INTERPRET=1``, which is how the CPU
+tests run them); ``dispatch`` makes the choice.
 ``cpu_kernels`` (numba) fuses the encoder's one-event append into one call on the CPU.
 """
 from backend_src.ops.dispatch import (  # noqa: F401

@@ -1,4 +1,6 @@
-"""Backend choice for each op call: Triton kernels on GPUs, the torch reference on CPUs."""
+"""Backend choice for each op call, made here and only here (``kernels_for``): the Triton kernels
+for GPU tensors they support, the torch reference otherwise; the numba CPU kernel of the encoder's
+one-event append where it applies (``fused_cpu_kernels``)."""
 from __future__ import annotations
 
 import functools
@@ -52,21 +54,29 @@ def backend_for(*tensors: torch.Tensor) -> str:
     return "torch"
 
 
+def kernels_for(op: str, args: tuple, kwargs: dict):
+    """The one backend decision of an op call: the Triton kernels module when it takes the call,
+    None for the reference. The kernels are forward-only, so a call needing gradients (training,
+    through autograd) takes the reference; so do tensors off the GPU (unless GENREC_OPS_BACKEND
+    forces Triton) and calls the kernels do not support (other dtypes, empty inputs)."""
+    # (the tensors of a tuple argument count too: the rows pfa_select_rows gathers)
+    tensors = [t for a in (*args, *kwargs.values()) for t in (a if isinstance(a, (tuple, list)) else (a,))
+               if isinstance(t, torch.Tensor)]
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return None
+    if backend_for(*tensors) != "triton":
+        return None
+    kernels = _triton_module()
+    return kernels if kernels.supports(op, args, kwargs) else None
+
+
 def _dispatch(name: str):
     ref = getattr(reference, name)
 
     @functools.wraps(ref)
     def op(*args, **kwargs):
-        # (the tensors of a tuple argument count too: the rows pfa_select_rows gathers)
-        tensors = [t for a in args for t in (a if isinstance(a, (tuple, list)) else (a,))
-                   if isinstance(t, torch.Tensor)]
-        # The kernels are forward-only: training (autograd) always takes the reference.
-        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-        if not needs_grad and backend_for(*tensors) == "triton":
-            fn = getattr(_triton_module(), name, None)
-            if fn is not None:
-                return fn(*args, **kwargs)
-        return ref(*args, **kwargs)
+        kernels = kernels_for(name, args, kwargs)
+        return ref(*args, **kwargs) if kernels is None else getattr(kernels, name)(*args, **kwargs)
 
     return op
 
