@@ -70,7 +70,8 @@ def main(argv=None) -> int:
 
     from backend_src.config import DecodeOptions
     from backend_src.data import load_dataset
-    from backend_src.serving.server import TritonServer, free_port
+    from backend_src.serving.processes import free_port
+    from backend_src.serving.server import TritonServer
     from clients.client import RecommenderClient
     from export.publish import publish
     from export.triton_configs import ServingOptions

@@ -282,7 +282,7 @@ def _servers(server) -> list:
 
 
 def _admin_headers(admin_key: str | None):
-    from backend_src.serving.server import admin_headers, read_admin_key
+    from backend_src.serving.access import admin_headers, read_admin_key
 
     return admin_headers(admin_key or read_admin_key())
 
@@ -364,7 +364,7 @@ def main(argv=None) -> int:
         a.server = [u.strip() for u in a.server.split(",") if u.strip()]
     admin_key = None
     if a.action in ("publish", "rollback") and a.server:
-        from backend_src.serving.server import read_admin_key
+        from backend_src.serving.access import read_admin_key
 
         admin_key = read_admin_key(a.admin_key_file)
         if a.admin_key_file and admin_key is None:

@@ -148,7 +148,8 @@ def scale(a) -> dict:
     import tempfile
 
     from backend_src.config import DecodeOptions
-    from backend_src.serving.server import TritonServer, free_port
+    from backend_src.serving.processes import free_port
+    from backend_src.serving.server import TritonServer
     from export.publish import publish
     from export.triton_configs import ServingOptions
 
@@ -244,7 +245,8 @@ def log_cost(a) -> list:
 
     from backend_src.config import DecodeOptions
     from backend_src.serving.redis_server import RedisServer, redis_server_binary
-    from backend_src.serving.server import TritonServer, free_port
+    from backend_src.serving.processes import free_port
+    from backend_src.serving.server import TritonServer
     from clients.client import RecommenderClient
     from export.publish import publish
     from export.triton_configs import ServingOptions
@@ -297,14 +299,14 @@ FAULTS = ("publish", "rollback", "stub_kill_history_encoder", "stub_kill_pfa_dec
 
 def stub_pid(model: str, server_pid: int) -> int | None:
     """The pid of the server's Python-backend stub of `model`."""
-    from backend_src.serving.watchdog import stub_processes
+    from backend_src.serving.stub_processes import stub_processes
 
     return next((pid for pid, (name, alive) in stub_processes(server_pid).items() if name == model and alive), None)
 
 
 def watchdog_pid(keeper_pid: int) -> int | None:
     """The pid of the watchdog that its keeper runs."""
-    from backend_src.serving.watchdog import child_pids
+    from backend_src.serving.stub_processes import child_pids
 
     return next((pid for pid in child_pids(keeper_pid)
                  if b"serving.watchdog" in Path(f"/proc/{pid}/cmdline").read_bytes()), None)
@@ -450,7 +452,8 @@ def faults(a) -> list:
     import tempfile
 
     from backend_src.config import DecodeOptions
-    from backend_src.serving.server import TritonServer, free_port
+    from backend_src.serving.processes import free_port
+    from backend_src.serving.server import TritonServer
     from export import publish as pub
     from export.triton_configs import ServingOptions
 

@@ -51,7 +51,8 @@ def local_server(checkpoint, options=None, workdir=None, start_timeout_s: float 
 @contextmanager
 def serve_repository(repo: Path, start_timeout_s: float = 180.0):
     """A tritonserver on free ports serving the repository `repo` (its log beside it)."""
-    from backend_src.serving.server import TritonServer, free_port
+    from backend_src.serving.processes import free_port
+    from backend_src.serving.server import TritonServer
 
     server = TritonServer(repo, free_port(), free_port(), free_port(), log_file=repo.parent / "tritonserver.log", exit_timeout_s=5)
     try:

@@ -9,8 +9,8 @@ import time
 import pytest
 
 from backend_src.serving.cluster import LocalCluster, nginx_binary
+from backend_src.serving.processes import free_port
 from backend_src.serving.redis_server import redis_server_binary
-from backend_src.serving.server import free_port
 from export import publish as pub
 from export.triton_configs import ServingOptions
 
@@ -108,7 +108,7 @@ def test_a_new_version_rolls_out_replica_by_replica(cluster):
 
 
 def test_cluster_command_starts_and_stops(cluster):
-    from backend_src.serving.server import _alive
+    from backend_src.serving.processes import alive
 
     import json
 
@@ -129,4 +129,4 @@ def test_cluster_command_starts_and_stops(cluster):
         r = run("stop")
     assert r.returncode == 0 and time.monotonic() - t0 < 30
     pids = [state["balancer"]["pid"], state["redis"]["pid"]] + [x["pid"] for x in state["replicas"]]
-    assert not any(_alive(p) for p in pids)
+    assert not any(alive(p) for p in pids)

@@ -14,7 +14,8 @@ import torch
 
 from backend_src.config import DecodeOptions
 from genrec_contract import protocol as P
-from backend_src.serving.server import TritonServer, free_port
+from backend_src.serving.processes import free_port
+from backend_src.serving.server import TritonServer
 from export import publish as pub
 from export.triton_configs import ServingOptions
 
@@ -279,7 +280,7 @@ def test_overflowing_shape_kills_a_stub_and_heal_brings_it_back(served):
     check (the size wraps to 0) and kills the encoder's stub while it unpacks the request,
     before model code runs. BYTES inputs are checked by the server itself. `heal` finds the
     dead stub with a harmless probe and reloads the model."""
-    from backend_src.serving.server import heal, unhealthy_models
+    from backend_src.serving.health import heal, unhealthy_models
 
     client, url = served["client"], served["server"].grpc_url
     assert unhealthy_models(url) == []

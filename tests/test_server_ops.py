@@ -25,7 +25,9 @@ import pytest
 
 from backend_src.config import DecodeOptions
 from genrec_contract import protocol as P
-from backend_src.serving.server import ADMIN_HEADER, ADMIN_KEY_ENV, GRPC_ADMIN_HEADER, TritonServer, free_port
+from backend_src.serving.access import ADMIN_HEADER, ADMIN_KEY_ENV, GRPC_ADMIN_HEADER
+from backend_src.serving.processes import free_port
+from backend_src.serving.server import TritonServer
 from export import publish as pub
 from export.triton_configs import ServingOptions
 

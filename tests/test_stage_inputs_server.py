@@ -12,7 +12,8 @@ import pytest
 
 from backend_src.config import DecodeOptions
 from genrec_contract import protocol as P
-from backend_src.serving.server import TritonServer, free_port
+from backend_src.serving.processes import free_port
+from backend_src.serving.server import TritonServer
 from export import publish as pub
 from export.triton_configs import ServingOptions, config_from_checkpoint
 

@@ -177,7 +177,8 @@ def _offline(checkpoint, items):
 
 @pytest.mark.server
 def test_rollback_serves_the_old_code_and_a_copied_repository_serves_elsewhere(tmp_path):
-    from backend_src.serving.server import TritonServer, free_port
+    from backend_src.serving.processes import free_port
+    from backend_src.serving.server import TritonServer
 
     require_tritonserver()
     ckpt = tmp_path / "v1.pt"

@@ -34,7 +34,9 @@ from pathlib import Path
 
 from genrec_contract.protocol import SESSION_HEADER
 from backend_src.serving.redis_server import RedisServer, redis_server_binary
-from backend_src.serving.server import TritonServer, _alive, _terminate, ensure_admin_key, free_port
+from backend_src.serving.access import ensure_admin_key
+from backend_src.serving.processes import alive, free_port, terminate
+from backend_src.serving.server import TritonServer
 
 DEFAULT_DIR = Path("runs") / "cluster"
 
@@ -139,15 +141,15 @@ class NginxBalancer:
         os.kill(self.pid, signal.SIGHUP)
 
     def stop(self, grace_s: float = 10.0) -> None:
-        if self.pid is not None and _alive(self.pid):
+        if self.pid is not None and alive(self.pid):
             os.kill(self.pid, signal.SIGQUIT)  # graceful: finish the requests in flight
             deadline = time.monotonic() + grace_s
-            while time.monotonic() < deadline and _alive(self.pid):
+            while time.monotonic() < deadline and alive(self.pid):
                 if self.process is not None and self.process.poll() is not None:
                     break
                 time.sleep(0.05)
-            if _alive(self.pid):
-                _terminate(self.pid, 2.0, self.process)
+            if alive(self.pid):
+                terminate(self.pid, 2.0, self.process)
 
     @property
     def url(self) -> str:
@@ -242,24 +244,24 @@ class LocalCluster:
 
 def _stop_from_state(state: dict) -> None:
     pid = state["balancer"]["pid"]
-    if pid and _alive(pid):
+    if pid and alive(pid):
         os.kill(pid, signal.SIGQUIT)
         _wait_gone(pid, 10)
     for r in state["replicas"]:
         for key in ("watchdog_pid", "pid"):
-            if r.get(key) and _alive(r[key]):
-                _terminate(r[key], 15.0)
+            if r.get(key) and alive(r[key]):
+                terminate(r[key], 15.0)
     pid = state["redis"]["pid"]
-    if pid and _alive(pid):
-        _terminate(pid, 10.0)
+    if pid and alive(pid):
+        terminate(pid, 10.0)
 
 
 def _wait_gone(pid: int, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and _alive(pid):
+    while time.monotonic() < deadline and alive(pid):
         time.sleep(0.05)
-    if _alive(pid):
-        _terminate(pid, 2.0)
+    if alive(pid):
+        terminate(pid, 2.0)
 
 
 def main(argv=None) -> int:
@@ -294,7 +296,7 @@ def main(argv=None) -> int:
         return 0 if a.action == "stop" else 3
     state = json.loads(state_file.read_text())
     if a.action in ("publish", "rollback"):  # into the shared repository, then loaded replica by replica
-        from backend_src.serving.server import read_admin_key
+        from backend_src.serving.access import read_admin_key
         from export import publish as pub
 
         servers = [r["grpc"] for r in state["replicas"]]
@@ -310,10 +312,10 @@ def main(argv=None) -> int:
             print("rolled back " + ", ".join(f"{m} v{old} -> v{new}" for m, (old, new) in plan.items()))
         return 0
     if a.action == "status":
-        alive = {"balancer": _alive(state["balancer"]["pid"]), "redis": _alive(state["redis"]["pid"]),
-                 "replicas": [_alive(r["pid"]) for r in state["replicas"]]}
-        print(json.dumps({**state, "alive": alive}, indent=2))
-        return 0 if alive["balancer"] and alive["redis"] and all(alive["replicas"]) else 3
+        up = {"balancer": alive(state["balancer"]["pid"]), "redis": alive(state["redis"]["pid"]),
+              "replicas": [alive(r["pid"]) for r in state["replicas"]]}
+        print(json.dumps({**state, "alive": up}, indent=2))
+        return 0 if up["balancer"] and up["redis"] and all(up["replicas"]) else 3
     _stop_from_state(state)
     state_file.unlink()
     print("cluster stopped")

@@ -28,12 +28,10 @@ start waits 2, 4, ... up to 60 s before the next start, so a server that cannot 
 spin. Sessions come back from the event log at their next request. Without a launch file the
 watchdog exits when tritonserver is gone.
 
-Its keeper (`--keep`, which `TritonServer` always sets): the process `server start` leaves
-behind runs the watchdog as its child and starts it again when it dies of anything but a
-stop (a kill from outside, the OOM killer, a fault of its own), waiting 1, 2, ... up to 30 s
-between quick deaths. The new watchdog reads the server's pid from the pid file, which follows a
-restart. The keeper is a loop with no threads, no network and no server client; SIGTERM passes
-to the watchdog, and a watchdog whose keeper is killed gets SIGTERM from the kernel.
+Its keeper (`--keep`, which `TritonServer` always sets; `serving/watchdog_keeper.py`): the
+process `server start` leaves behind runs the watchdog as its child and starts it again when it
+dies of anything but a stop. The new watchdog reads the server's pid from the pid file, which
+follows a restart. Stub processes are read from /proc (`serving/stub_processes.py`).
 
 Readiness (HTTP on --address:--ready-port): GET /ready answers 200 only when tritonserver is
 ready (and not being started again), every model is ready and every Python stage has all its
@@ -43,12 +41,10 @@ tritonserver answers its own liveness. It exits on SIGTERM.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import logging
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -56,88 +52,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from genrec_contract import protocol as P
-from backend_src.serving.server import (
-    ADMIN_KEY_ENV, _alive, _http_ok, _terminate, launch, read_pid_file, reload_model, unhealthy_models,
-    update_pid_file,
-)
-
-STUB_COMM = "triton_python_b"  # the kernel keeps 15 characters of triton_python_backend_stub
-STUB_NAME = "triton_python_backend_stub"
+from backend_src.serving.access import ADMIN_KEY_ENV
+from backend_src.serving.health import reload_model, unhealthy_models
+from backend_src.serving.processes import alive, http_ok, launch, read_pid_file, terminate, update_pid_file
+from backend_src.serving.stub_processes import STUB_COMM, instance_count, process_stat, stub_processes
+from backend_src.serving.watchdog_keeper import keep
 
 log = logging.getLogger("genrec.watchdog")
-
-
-# --------------------------------------------------------------------------------------------
-# /proc
-# --------------------------------------------------------------------------------------------
-def _stat(pid: int) -> tuple | None:
-    """(comm, state, ppid) of a process, or None when it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            text = f.read()
-    except OSError:
-        return None
-    comm = text[text.index("(") + 1 : text.rindex(")")]
-    state, ppid = text[text.rindex(")") + 2 :].split()[:2]
-    return comm, state, int(ppid)
-
-
-def child_pids(pid: int) -> list:
-    """Children of `pid` (zombies included): from each thread's children list where the kernel
-    has one, else by reading every process's parent."""
-    tasks = Path(f"/proc/{pid}/task")
-    found, have_lists = set(), False
-    try:
-        for task in tasks.iterdir():
-            try:
-                found.update(int(x) for x in (task / "children").read_text().split())
-                have_lists = True
-            except OSError:
-                continue
-    except OSError:
-        return []
-    if have_lists:
-        return sorted(found)
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            st = _stat(int(entry))
-            if st and st[2] == pid:
-                out.append(int(entry))
-    return out
-
-
-def stub_processes(server_pid: int, known: dict | None = None) -> dict:
-    """{pid: (model, alive)} for every Python-backend stub child of the server. A zombie's
-    command line is gone: its model comes from `known` (pid -> model seen while alive), or None."""
-    out = {}
-    for pid in child_pids(server_pid):
-        st = _stat(pid)
-        if st is None or st[0] != STUB_COMM:
-            continue
-        if st[1] == "Z":
-            out[pid] = ((known or {}).get(pid), False)
-            continue
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-        except OSError:
-            continue  # gone since
-        if not argv[0].endswith(STUB_NAME.encode()) or len(argv) < 2:
-            continue  # still the shell that launches it
-        model_py = Path(argv[1].decode(errors="replace"))  # <repository>/<model>/<version>/model.py
-        out[pid] = (model_py.parent.parent.name, True)
-    return out
-
-
-def instance_count(config: dict) -> int:
-    """Instances the server runs of a model, from its (server-completed) config."""
-    n = 0
-    for group in config.get("instance_group") or [{"count": 1}]:
-        count = int(group.get("count", 1))
-        gpus = group.get("gpus") or []
-        n += count * (len(gpus) if group.get("kind") == "KIND_GPU" and gpus else 1)
-    return max(n, 1)
 
 
 # --------------------------------------------------------------------------------------------
@@ -207,21 +128,21 @@ class Watchdog:
         counts: during a version swap the new stubs start before the old ones stop."""
         expected = self.expected if expected is None else expected
         live: dict = {}
-        for model, alive in stubs.values():
-            if alive:
+        for model, running in stubs.values():
+            if running:
                 live[model] = live.get(model, 0) + 1
         out = {}
         for model, want in expected.items():
             have = live.get(model, 0)
             if have < want:
-                zombies = sorted(pid for pid, (m, alive) in stubs.items() if m == model and not alive)
+                zombies = sorted(pid for pid, (m, running) in stubs.items() if m == model and not running)
                 out[model] = f"stub died: {have} of {want} stub processes alive" + (
                     f" (zombie pids {zombies})" if zombies else "")
         return out
 
     def find_dead(self) -> dict:
         stubs = self.scan()
-        live = frozenset(pid for pid, (_, alive) in stubs.items() if alive)
+        live = frozenset(pid for pid, (_, running) in stubs.items() if running)
         if live != self._last_live or not self.expected:
             self._last_live = live
             self.refresh()
@@ -280,10 +201,10 @@ class Watchdog:
             self.heal(dead, time.monotonic())
 
     def server_alive(self) -> bool:
-        return _alive(self.server_pid)
+        return alive(self.server_pid)
 
     def server_live(self) -> bool:
-        return _http_ok(f"http://{self.http_url}/v2/health/live")
+        return http_ok(f"http://{self.http_url}/v2/health/live")
 
     def run(self) -> None:
         next_probe = time.monotonic() + self.probe_interval_s
@@ -340,7 +261,7 @@ class Watchdog:
             if proc.poll() is not None:
                 log.error("restarted tritonserver (pid %d) exited with status %s while starting", proc.pid, proc.returncode)
                 return
-            if _http_ok(f"http://{self.http_url}/v2/health/ready"):
+            if http_ok(f"http://{self.http_url}/v2/health/ready"):
                 self.restarts += 1
                 update_pid_file(self.pid_file, server_restarts=self.restarts)  # for a watchdog started anew
                 self.restarting = False  # after the count: /ready says 200 only with the count up to date
@@ -349,7 +270,7 @@ class Watchdog:
                 return
             if time.monotonic() > deadline:
                 log.error("restarted tritonserver (pid %d) not ready in %.0f s; stopping it", proc.pid, start_timeout_s)
-                _terminate(proc.pid, 10.0, proc)
+                terminate(proc.pid, 10.0, proc)
                 return
             self.stop_event.wait(0.2)
 
@@ -359,7 +280,7 @@ class Watchdog:
         still counts as there: its stubs would hold their memory until then."""
         left = []
         for pid in self.known:
-            st = _stat(pid)
+            st = process_stat(pid)
             if st is not None and st[0] == STUB_COMM and st[1] != "Z":
                 try:
                     os.kill(pid, signal.SIGKILL)
@@ -369,18 +290,18 @@ class Watchdog:
         if left:
             log.warning("ended %d stub processes of the dead server: %s", len(left), left)
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and any(_alive(pid) for pid in left):
+        while time.monotonic() < deadline and any(alive(pid) for pid in left):
             time.sleep(0.05)
 
     # ---- readiness -----------------------------------------------------------------------------
     def readiness(self) -> tuple:
         """(ready, body). Looks at /proc again, so a stub that died since the last tick counts."""
-        server_ready = _http_ok(f"http://{self.http_url}/v2/health/ready")
+        server_ready = http_ok(f"http://{self.http_url}/v2/health/ready")
         with self._lock:
             dead = dict(self.dead)
         for model, why in self.deficits(stub_processes(self.server_pid, self.known), self.expected).items():
             dead.setdefault(model, why)
-        not_ready = [m for m in P.ALL_MODELS if not _http_ok(f"http://{self.http_url}/v2/models/{m}/ready")]
+        not_ready = [m for m in P.ALL_MODELS if not http_ok(f"http://{self.http_url}/v2/models/{m}/ready")]
         ready = server_ready and not dead and not not_ready and not self.restarting
         return ready, {
             "ready": ready,
@@ -423,52 +344,6 @@ class Watchdog:
         httpd.daemon_threads = True
         threading.Thread(target=httpd.serve_forever, daemon=True, name="readiness").start()
         return httpd
-
-
-# --------------------------------------------------------------------------------------------
-# Its keeper
-# --------------------------------------------------------------------------------------------
-PR_SET_PDEATHSIG = 1
-
-
-def keep(argv: list) -> int:
-    """Run the watchdog (`argv`, without --keep) as a child and start it again whenever it
-    exits other than by a stop: status 0 means it stopped by itself (no server to watch), and
-    after SIGTERM or SIGINT to the keeper the child's own exit ends the keeper too."""
-    cmd = [sys.executable, "-m", "backend_src.serving.watchdog", *argv]
-    libc, keeper = ctypes.CDLL(None, use_errno=True), os.getpid()
-
-    def die_with_keeper():  # in the child, between fork and exec (the keeper has no threads)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-        if os.getppid() != keeper:  # the keeper was gone before the line above
-            os._exit(1)
-
-    stopping, child = [], None
-
-    def stop(signum, _frame):
-        stopping.append(signum)
-        if child is not None and child.poll() is None:
-            child.send_signal(signum)
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-    quick_deaths = 0
-    while not stopping:
-        started = time.monotonic()
-        child = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, preexec_fn=die_with_keeper)
-        if stopping:  # a stop that came while it was being spawned
-            child.send_signal(signal.SIGTERM)
-        code = child.wait()
-        if stopping or code == 0:
-            return code
-        quick_deaths = quick_deaths + 1 if time.monotonic() - started < 60.0 else 1
-        delay = min(30.0, 2.0 ** (quick_deaths - 1))
-        why = f"signal {-code}" if code < 0 else f"exit status {code}"
-        log.error("the watchdog (pid %d) died (%s); starting it again in %.0f s", child.pid, why, delay)
-        deadline = time.monotonic() + delay
-        while not stopping and time.monotonic() < deadline:
-            time.sleep(0.1)
-    return 0
 
 
 def main(argv=None) -> int:

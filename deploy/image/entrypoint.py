@@ -33,7 +33,8 @@ from pathlib import Path
 # The image puts the project root on PYTHONPATH; running this file from a checkout works too.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from backend_src.serving.server import ADMIN_KEY_ENV, EVENT_LOG_ENV, TritonServer  # noqa: E402
+from backend_src.serving.access import ADMIN_KEY_ENV  # noqa: E402
+from backend_src.serving.server import EVENT_LOG_ENV, TritonServer  # noqa: E402
 
 DEFAULT_REPOSITORY = "/srv/genrec/model_repository"
 PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002, "watchdog": 8003}
