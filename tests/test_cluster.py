@@ -124,6 +124,18 @@ def test_cluster_command_starts_and_stops(cluster):
             items, actions, ts = events(99, 3)
             assert client.open_session("cli-0", items, actions, ts, top_k=5).event_count == 3
         assert run("status").returncode == 0
+        # a new version through the roll-out command: into the shared repository, loaded on every replica
+        repo = cluster["cluster"].repository
+        r = subprocess.run([sys.executable, "-m", "export.rollout", "publish", "--checkpoint", str(cluster["ckpts"][1]),
+                            "--dir", str(tmp / "cli"), "--no-ranker-export"], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        newest = pub.versions(repo / "history_encoder")[-1]
+        assert f"history_encoder v{newest}" in r.stdout and "on 1 replicas" in r.stdout
+        import tritonclient.grpc as grpcclient
+
+        meta = grpcclient.InferenceServerClient(state["replicas"][0]["grpc"])
+        assert meta.get_model_metadata("history_encoder").versions == [str(newest)]
+        meta.close()
     finally:
         t0 = time.monotonic()
         r = run("stop")

@@ -322,6 +322,22 @@ def test_publish_failure_leaves_repository_untouched(tmp_path, fake_checkpoint, 
     assert not [p for p in tmp_path.iterdir() if "staging" in p.name]
 
 
+def test_rollout_targets_the_running_cluster(tmp_path):
+    """export.rollout takes the repository, every replica and the admin key from the state the
+    cluster's start left; without one it says so and changes nothing."""
+    import json
+
+    from export import rollout
+
+    assert rollout.main(["rollback", "--dir", str(tmp_path)]) == 3
+    key = "k" * 24
+    (tmp_path / "admin.key").write_text(key + "\n")
+    replicas = [{"grpc": "127.0.0.1:1"}, {"grpc": "127.0.0.1:2"}]
+    state = {"repository": str(tmp_path / "repo"), "admin_key_file": str(tmp_path / "admin.key"), "replicas": replicas}
+    (tmp_path / "cluster.json").write_text(json.dumps(state))
+    assert rollout.cluster_target(tmp_path) == (str(tmp_path / "repo"), ["127.0.0.1:1", "127.0.0.1:2"], key)
+
+
 # ------------------------------------------------------------------------------ the watchdog's keeper
 def _answers(url: str) -> bool:
     try:
