@@ -1,4 +1,4 @@
-"""The durable per-user event log (backend_src/serving/event_log.py), every test on both
+"""The durable per-user event log (backend_src/serving/event_log/), every test on both
 backends: a SQLite file and a real redis-server started here (skipped without the binary)."""
 import json
 import os
@@ -504,9 +504,9 @@ def test_url_forms_and_bad_urls(tmp_path, monkeypatch):
 
 
 def test_unreachable_redis_names_the_url():
-    from backend_src.serving.redis_server import _free_port
+    from backend_src.serving.processes import free_port
 
-    url = f"redis://127.0.0.1:{_free_port()}/0"  # nothing listens there
+    url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
     log = open_event_log(url)
     for call in (lambda: log.counts(["u"]), lambda: log.append("u", 0, ["a"], [1], [1]),
                  lambda: log.tails(["u"], 5), lambda: log.delete("u")):

@@ -13,7 +13,8 @@ import torch
 
 from backend_src.config import DecodeOptions
 from genrec_contract import protocol as P
-from backend_src.serving.server import TritonServer, free_port
+from backend_src.serving.processes import free_port
+from backend_src.serving.server import TritonServer
 from export import publish as pub
 from export.triton_configs import ServingOptions
 
@@ -107,7 +108,7 @@ def test_a_session_outlives_its_visit_and_only_new_events_are_encoded(served):
     assert (log.count, log.items, log.timestamps) == (8, items, ts)
 
     # a data deletion request: the log goes, and the server's cached copy is not served again
-    from backend_src.serving.event_log import main as event_log_cli
+    from backend_src.serving.event_log.cli import main as event_log_cli
     from clients.client import SessionLost
 
     repo = served["repo"]

@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from backend_src.serving.processes import free_port
+
 HOST = "127.0.0.1"
 LOG_FILE = "redis-server.log"
 
@@ -26,12 +28,6 @@ LOG_FILE = "redis-server.log"
 def redis_server_binary() -> Optional[str]:
     """Path of the ``redis-server`` binary on PATH (Debian's package installs it there), or None."""
     return shutil.which("redis-server")
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
 
 
 def _ping(port: int) -> Optional[bytes]:
@@ -77,7 +73,7 @@ class RedisServer:
             raise FileNotFoundError("redis-server not found on PATH (Debian: apt-get install redis-server)")
         self.data_dir.mkdir(parents=True, exist_ok=True)
         if self.port is None:
-            self.port = _free_port()
+            self.port = free_port(HOST)
         args = [
             self.binary,
             "--bind", HOST,
