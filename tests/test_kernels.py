@@ -280,6 +280,15 @@ def test_pfa_select_rows_long_histories_unfused(monkeypatch):
         assert all(torch.equal(a[u, :n], b[u, :n]) for u, n in enumerate(fused[1].tolist()))
 
 
+def test_pfa_select_rows_without_rows():
+    """Nothing to gather: the kept lengths of the selection, as the reference returns them."""
+    q, k, _, lengths = _decode_inputs(2, 3, 2, 40, 16, [40, 9], torch.float32, seed=31)
+    w = torch.softmax(torch.randn(2, 3, generator=torch.Generator().manual_seed(32)), -1)
+    rows, kept = K.pfa_select_rows(q, k, lengths, w, 16, ())
+    r_rows, r_kept = R.pfa_select_rows(q, k, lengths, w, 16, ())
+    assert rows == r_rows == () and torch.equal(kept, r_kept)
+
+
 # --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("keep", [1, 6, 64])
@@ -607,6 +616,19 @@ def test_calls_needing_gradients_use_reference(monkeypatch):
     w = torch.ones(1, 12)
     (kept,), _ = dispatch.pfa_select_rows(args[0], args[1], args[7], w, 4, (rows,))
     assert kept.grad_fn is not None
+
+
+def test_the_kernels_do_not_choose_a_backend():
+    """dispatch.kernels_for is the one backend decision: no kernel module hands a call to the
+    reference's ops or looks at autograd (the reference serves only its tables to the HSTU kernel)."""
+    from backend_src.ops.kernel_copies import KERNELS_PACKAGE
+
+    ops = ("hstu_attention", "attention_probs", "decode_attention", "pfa_select", "pfa_select_rows",
+           "dynamic_topk_attention", "gather_rows")
+    for path in sorted(KERNELS_PACKAGE.glob("*.py")):
+        text = path.read_text()
+        assert "is_grad_enabled" not in text and "requires_grad" not in text, path.name
+        assert not [op for op in ops if f"reference.{op}(" in text], path.name
 
 
 @pytest.mark.parametrize("mode", ["full", "pfa", "pfa_per_beam", "dynamic_topk"])

@@ -1,7 +1,7 @@
 """Torch reference implementations of every op the model and the decoder use.
 
 These always exist and define the semantics; faster backends (Triton-lang kernels in
-``triton_kernels.py``) must match them and are compared against them in tests.
+``triton_kernels/``) must match them and are compared against them in tests.
 Shapes: B users, W beams, H heads, N history rows, M query tokens, d head dim.
 """
 from __future__ import annotations
