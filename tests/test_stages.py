@@ -368,3 +368,37 @@ def test_startup_reads_parameters_and_checks_the_packages_came_from_the_version(
     start = startup.start(args, logged.append)
     assert start.version_dir == root and start.params["torch_threads"] == str(torch.get_num_threads())
     assert logged == [f"m v{root.name}: backend_src {sys.modules['backend_src'].__version__}"]
+
+
+def test_session_metrics_send_only_what_changed():
+    from backend_src.serving.stages.session_metrics import SessionMetrics
+
+    sent = []
+
+    class Metric:
+        def __init__(self, name):
+            self.name = name
+
+        def increment(self, n):
+            sent.append((self.name, "+", n))
+
+        def set(self, value):
+            sent.append((self.name, "=", value))
+
+    metrics = SessionMetrics(lambda name, kind, doc: Metric(name), bound_bytes=1 << 20)
+    assert sent == [("genrec_session_cache_bound_bytes", "=", 1 << 20)]
+    sent.clear()
+    metrics.count("logged", 3)
+    metrics.publish({"bytes": 2560, "peak_bytes": 2560, "sessions": 1})
+    assert sorted(sent) == [("genrec_events_logged_total", "+", 3), ("genrec_session_cache_bytes", "=", 2560),
+                            ("genrec_session_cache_peak_bytes", "=", 2560), ("genrec_session_cache_sessions", "=", 1)]
+    sent.clear()
+    metrics.publish({"bytes": 2560 + 10, "peak_bytes": 2560 + 10, "sessions": 1})  # under 1/256 of what is shown
+    assert sent == []
+    metrics.publish({"bytes": 2560 + 11, "peak_bytes": 2560 + 10, "sessions": 1})  # over it
+    assert sent == [("genrec_session_cache_bytes", "=", 2571)]
+    sent.clear()
+    metrics.publish({"bytes": 2572, "peak_bytes": 2572, "sessions": 2})  # a new session: every changed gauge is sent
+    assert sorted(sent) == [("genrec_session_cache_bytes", "=", 2572), ("genrec_session_cache_peak_bytes", "=", 2572),
+                            ("genrec_session_cache_sessions", "=", 2)]
+    assert metrics.totals == {"restored": 0, "logged": 3, "replayed": 0}

@@ -1,6 +1,7 @@
 """The part of Triton's Python-backend API that this project's stages call, in plain Python, so a
-test can drive a stage's `execute` in one process (tests/test_encoder_stage.py, tests/test_stages.py). Requests and
-tensors hold numpy arrays; metrics go nowhere."""
+test can drive a stage's model.py in one process (tests/test_encoder_stage.py) or check what the
+adapter makes of a stage's answers (tests/test_stages.py). Requests and tensors hold numpy arrays;
+metrics go nowhere."""
 import numpy as np
 
 
