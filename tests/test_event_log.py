@@ -16,6 +16,7 @@ import pytest
 
 from backend_src.serving.event_log import (
     EventLogUnavailable,
+    EventRange,
     LogConflict,
     SQLiteEventLog,
     UserLog,
@@ -243,6 +244,28 @@ def test_retention_trims_old_events_but_count_keeps_counting(open_log, log_url):
     # retention still sees only 5
     wide = open_log(retain_events=100)
     assert wide.tail("u", 100).items == [f"e{i}" for i in range(15, 20)]
+
+
+def test_events_at_positions_read_back_what_was_accepted_there(open_log):
+    """The read a server compares a request's events with: positions in the user's whole log, only those
+    retention keeps, several users in one call."""
+    log = open_log(retain_events=5)
+    log.append("u", 0, ["e0", "e1", "e2"], [0, 1, 2], [10, 11, 12])
+    assert log.events("u", 1, 3) == EventRange(3, 1, ["e1", "e2"], [1, 2], [11, 12])
+    assert log.events("u", 2, 9) == EventRange(3, 2, ["e2"], [2], [12])  # cut at the count
+    assert log.events("u", 3, 4) == EventRange(3, 4, [], [], [])  # past the count: none held
+    assert log.events("u", 1, 1) == EventRange(3, 1, [], [], [])
+    assert log.events("nobody", 0, 2) == EventRange(0, 2, [], [], [])
+    log.append("u", 3, [f"e{i}" for i in range(3, 9)], list(range(3, 9)), list(range(13, 19)))
+    # retention keeps positions 4..8: older ones are left out
+    assert log.events("u", 2, 6) == EventRange(9, 4, ["e4", "e5"], [4, 5], [14, 15])
+    assert log.events("u", 0, 3) == EventRange(9, 3, [], [], [])
+    log.append("v", 0, ["é\x00ü"], [1], [2**53 + 1])
+    assert log.event_ranges([("v", 0, 1), ("u", 8, 9), ("v", 0, 0)]) == [
+        EventRange(1, 0, ["é\x00ü"], [1], [2**53 + 1]), EventRange(9, 8, ["e8"], [8], [18]), EventRange(1, 0, [], [], [])]
+    with pytest.raises(ValueError, match="0 <= start <= stop"):
+        log.events("u", 3, 2)
+    assert log.event_ranges([]) == []
 
 
 def test_sqlite_ttl_sweep_with_injected_clock(tmp_path):

@@ -59,7 +59,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from backend_src.serving.event_log.base import (
     DEFAULT_REDIS_PREFIX, DEFAULT_RETAIN_EVENTS, DURABILITY, WRITE_ASIDE_EVENTS, EventLog, EventLogUnavailable,
-    LogConflict, UserLog,
+    EventRange, LogConflict, UserLog,
 )
 from backend_src.serving.event_log.memory_log import MemoryEventLog
 from backend_src.serving.event_log.redis_log import RedisEventLog, redact_url
@@ -67,7 +67,7 @@ from backend_src.serving.event_log.sqlite_log import SQLiteEventLog
 
 __all__ = [
     "DEFAULT_REDIS_PREFIX", "DEFAULT_RETAIN_EVENTS", "DURABILITY", "WRITE_ASIDE_EVENTS", "EventLog", "EventLogUnavailable",
-    "LogConflict", "MemoryEventLog", "RedisEventLog", "SQLiteEventLog", "UserLog", "open_event_log",
+    "EventRange", "LogConflict", "MemoryEventLog", "RedisEventLog", "SQLiteEventLog", "UserLog", "open_event_log",
 ]
 
 

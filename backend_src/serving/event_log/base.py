@@ -50,6 +50,19 @@ class UserLog:
     timestamps: list
 
 
+@dataclass(frozen=True)
+class EventRange:
+    """``count``: events ever accepted for the user; the lists: the retained events at positions
+    ``start, start + 1, ...`` of the asked range: positions older than retention keeps are left out,
+    so ``start`` may be past the range's first position; with none held, ``start`` is the range's stop."""
+
+    count: int
+    start: int
+    items: list
+    actions: list
+    timestamps: list
+
+
 # ------------------------------------------------------------------------------------------
 # Input checks shared by the backends
 # ------------------------------------------------------------------------------------------
@@ -140,6 +153,20 @@ class EventLog(abc.ABC):
     def tail(self, user: str, n: int) -> UserLog:
         return self.tails([user], n)[0]
 
+    def event_ranges(self, reads: list) -> list:
+        """Per ``(user, start, stop)``: the user's count and the retained events at positions
+        ``[start, stop)`` (0-based, the order they were accepted in), read in one round trip."""
+        checked = []
+        for user, start, stop in reads:
+            start, stop = _as_int64(start, "a start position"), _as_int64(stop, "a stop position")
+            if not 0 <= start <= stop:
+                raise ValueError(f"positions must satisfy 0 <= start <= stop, got {start}, {stop}")
+            checked.append((_check_user(user), start, stop))
+        return self._event_ranges(checked) if checked else []
+
+    def events(self, user: str, start: int, stop: int) -> EventRange:
+        return self.event_ranges([(user, start, stop)])[0]
+
     # -- writes
     def append_many(self, writes: list) -> list:
         """Apply ``(user, expected_count, items, actions, timestamps)`` writes in order, in one
@@ -184,6 +211,10 @@ class EventLog(abc.ABC):
 
     @abc.abstractmethod
     def _tails(self, users: list, n: int) -> list: ...
+
+    @abc.abstractmethod
+    def _event_ranges(self, reads: list) -> list:
+        """reads: (user, start, stop), checked; each answer an EventRange."""
 
     @abc.abstractmethod
     def _append_many(self, writes: list) -> list:

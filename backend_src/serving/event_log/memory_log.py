@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import threading
 
-from backend_src.serving.event_log.base import EventLog, LogConflict, UserLog
+from backend_src.serving.event_log.base import EventLog, EventRange, LogConflict, UserLog
 
 class MemoryEventLog(EventLog):
     """The same semantics in this process's memory, lost with it: NOT durable. It exists to
@@ -25,6 +25,20 @@ class MemoryEventLog(EventLog):
                 count, items, actions, ts = self._logs.get(u, (0, [], [], []))
                 cut = slice(len(items) - min(n, len(items)), None)
                 out.append(UserLog(count, items[cut], actions[cut], ts[cut]))
+            return out
+
+    def _event_ranges(self, reads):
+        with self._lock:
+            out = []
+            for user, start, stop in reads:
+                count, items, actions, ts = self._logs.get(user, (0, [], [], []))
+                first = count - len(items)  # the position of the oldest retained event
+                lo, hi = max(start, first), min(stop, count)
+                if lo >= hi:
+                    out.append(EventRange(count, stop, [], [], []))
+                    continue
+                cut = slice(lo - first, hi - first)
+                out.append(EventRange(count, lo, items[cut], actions[cut], ts[cut]))
             return out
 
     def _append_many(self, writes):

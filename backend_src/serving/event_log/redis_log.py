@@ -8,7 +8,7 @@ from typing import Optional
 from urllib.parse import urlsplit, urlunsplit
 
 from backend_src.serving.event_log.base import (
-    DEFAULT_REDIS_PREFIX, DEFAULT_RETAIN_EVENTS, EventLog, EventLogUnavailable, LogConflict, UserLog,
+    DEFAULT_REDIS_PREFIX, DEFAULT_RETAIN_EVENTS, EventLog, EventLogUnavailable, EventRange, LogConflict, UserLog,
 )
 
 # KEYS: count key, events key. ARGV: expected count, events in the write (may be more than are
@@ -55,6 +55,17 @@ if n == 0 or want <= 0 then return {n, ''} end
 return {n, table.concat(redis.call('LRANGE', KEYS[2], -want, -1), ',')}
 """
 
+# ARGV: start, stop (positions in the user's whole log). The list holds positions [count - LLEN, count).
+# Returns {count, position of the first event returned, those events joined by ','} ('' when none).
+_RANGE_LUA = """
+local n = tonumber(redis.call('GET', KEYS[1]) or '0')
+local first = n - redis.call('LLEN', KEYS[2])
+local lo = math.max(tonumber(ARGV[1]), first)
+local hi = math.min(tonumber(ARGV[2]), n)
+if lo >= hi then return {n, 0, ''} end
+return {n, lo, table.concat(redis.call('LRANGE', KEYS[2], lo - first, hi - first - 1), ',')}
+"""
+
 
 def redact_url(url: str) -> str:
     """The URL without its password, for messages."""
@@ -86,7 +97,7 @@ class RedisEventLog(EventLog):
                                       password=parts.password, username=parts.username or None, timeout_s=socket_timeout_s)
         self._scripts = {name: (src, hashlib.sha1(src.encode()).hexdigest())
                          for name, src in (("append", _APPEND_LUA), ("replace", _REPLACE_LUA),
-                                           ("tail", _TAIL_LUA))}
+                                           ("tail", _TAIL_LUA), ("range", _RANGE_LUA))}
         self._loaded = False
 
     def _keys(self, user: str):
@@ -159,6 +170,15 @@ class RedisEventLog(EventLog):
             events = json.loads(b"[" + joined + b"]") if joined else []
             out.append(UserLog(int(count), [e[0] for e in events], [e[1] for e in events],
                                [e[2] for e in events]))
+        return out
+
+    def _event_ranges(self, reads):
+        answers = self._run([("range", self._keys(user), (start, stop)) for user, start, stop in reads])
+        out = []
+        for (_, _, stop), (count, first, joined) in zip(reads, answers):
+            events = json.loads(b"[" + joined + b"]") if joined else []
+            out.append(EventRange(int(count), int(first) if events else stop, [e[0] for e in events],
+                                  [e[1] for e in events], [e[2] for e in events]))
         return out
 
     def _append_many(self, writes):

@@ -11,7 +11,7 @@ from itertools import chain, repeat
 from pathlib import Path
 from typing import Callable, Optional
 
-from backend_src.serving.event_log.base import DEFAULT_RETAIN_EVENTS, EventLog, LogConflict, UserLog
+from backend_src.serving.event_log.base import DEFAULT_RETAIN_EVENTS, EventLog, EventRange, LogConflict, UserLog
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS users (
@@ -167,6 +167,24 @@ class SQLiteEventLog(EventLog):
                         (user, count - n),
                     ).fetchall()
                 out.append(UserLog(count, [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows]))
+            return out
+
+        return self._read(read)
+
+    def _event_ranges(self, reads):
+        def read(db):
+            counts = self._count_map(db, [user for user, _, _ in reads])
+            out = []
+            for user, start, stop in reads:
+                count = counts.get(user, 0)
+                rows = []
+                if count and start < stop:
+                    rows = db.execute(
+                        "SELECT seq, item, action, ts FROM events WHERE user = ? AND seq >= ? AND seq < ? ORDER BY seq",
+                        (user, start, stop),
+                    ).fetchall()
+                first = rows[0][0] if rows else stop
+                out.append(EventRange(count, first, [r[1] for r in rows], [r[2] for r in rows], [r[3] for r in rows]))
             return out
 
         return self._read(read)
