@@ -32,8 +32,7 @@ from tritonclient.utils import InferenceServerException
 
 from genrec_contract import protocol as P
 
-MAX_STRING_ID = 128  # longer string sequence ids are refused by the server
-_INT64_RANGE = 1 << 64
+MAX_STRING_ID = P.MAX_STRING_ID_BYTES  # longer string sequence ids (UTF-8 bytes) are refused by Triton
 
 # decode option keyword -> tensor of the contract
 OPTION_TENSORS = {
@@ -108,29 +107,22 @@ class _SessionState:
 
 
 def wire_session_id(session_id):
-    """A session id as the server's sequence id: a non-zero int (ids >= 2**63 travel as negative
-    int64) or a non-empty string of at most 128 characters."""
-    if isinstance(session_id, (bool, np.bool_)):
-        raise ValueError("session id must be an int or a string, got a bool")
-    if isinstance(session_id, (int, np.integer)):
-        sid = int(session_id)
-        if sid == 0:
-            raise ValueError("session id 0 means 'no sequence'; use a non-zero id")
-        if not -(1 << 63) <= sid < _INT64_RANGE:
-            raise ValueError(f"integer session id must fit in 64 bits, got {sid}")
-        return sid - _INT64_RANGE if sid >= 1 << 63 else sid
-    if isinstance(session_id, str):
-        if not session_id:
-            raise ValueError("session id must not be empty")
-        if len(session_id) > MAX_STRING_ID:
-            raise ValueError(f"string session id must have at most {MAX_STRING_ID} characters, got {len(session_id)}")
-        return session_id
-    raise TypeError(f"session id must be an int or a string, got {type(session_id).__name__}")
+    """A session id as the server's sequence id, checked so that it travels whole: a non-zero int
+    (ids >= 2**63 travel as the negative int64 they wrap to) or a non-empty string of at most
+    MAX_STRING_ID bytes in UTF-8, without NUL (see protocol.session_id_problem)."""
+    if not isinstance(session_id, (int, np.integer, str, np.bool_)):
+        raise TypeError(f"session id must be an int or a string, got {type(session_id).__name__}")
+    problem = P.session_id_problem(session_id)
+    if problem:
+        raise ValueError(problem)
+    return P.canonical_session_id(session_id)
 
 
 def _status_name(exc: InferenceServerException) -> str:
-    s = exc.status() or "UNKNOWN"
-    return s.split(".")[-1]  # "StatusCode.INVALID_ARGUMENT" -> "INVALID_ARGUMENT"
+    """The status the server answered with: gRPC's ("StatusCode.INVALID_ARGUMENT" -> "INVALID_ARGUMENT"), or the
+    one a stage tagged its message with where Triton has no code for it (FAILED_PRECONDITION)."""
+    s = (exc.status() or "UNKNOWN").split(".")[-1]
+    return P.status_of(s, exc.message() or "")
 
 
 def _input(spec: P.TensorSpec, array: np.ndarray):
@@ -324,7 +316,7 @@ class RecommenderClient:
         idempotent = events_before is not None or n_events == 0
         start = start or not state.visit
         requested = [grpcclient.InferRequestedOutput(o.name) for o in outputs]
-        headers = {**self.headers, P.SESSION_HEADER: str(session_id)}  # a balancer keeps the session on one server
+        headers = {**self.headers, P.SESSION_HEADER: P.session_header(sid)}  # a balancer keeps the session on one server
         t0 = time.perf_counter()
         for attempt in range(self.retries + 1):
             try:

@@ -24,7 +24,9 @@ Flow (one request of a user session, sequence id = session id):
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+from urllib.parse import quote
 
 import numpy as np
 
@@ -89,15 +91,92 @@ CONTROL_START = "START"
 CONTROL_END = "END"
 CONTROL_READY = "READY"
 
+# ------------------------------------------------------------------------------------------
+# Session ids
+# ------------------------------------------------------------------------------------------
+# A session id is Triton's sequence id: a non-zero int64 or a non-empty string. Its identity is
+# session_key(): the event log's and the session cache's key, also the deletion command's, and
+# (encoded by session_header) the balancer's. An integer id is its signed int64 value whatever
+# form it takes on the way (Triton hands the model uint64: -5 arrives as 2**64 - 5); a string
+# id is kept whole, so it must travel whole: Triton refuses one over MAX_STRING_ID_BYTES and the
+# Python backend hands the model a string id only up to its first NUL, so the client refuses both.
+MAX_STRING_ID_BYTES = 128  # Triton's limit on a string sequence id, in UTF-8 bytes
+_UINT64 = 1 << 64
+
 # The request header that carries the session id, so a balancer in front of several servers can
 # keep a session's requests on one of them (consistent hashing); the client library sets it.
 SESSION_HEADER = "x-session-key"
 
 
+def session_id_problem(sequence_id) -> str | None:
+    """Why `sequence_id` cannot travel whole as a session id, or None when it can: an int in
+    [-2**63, 2**64) other than 0 (ids >= 2**63 stand for the int64 they wrap to), or a str that is
+    non-empty, UTF-8, free of NUL and at most MAX_STRING_ID_BYTES bytes in UTF-8."""
+    if isinstance(sequence_id, (bool, np.bool_)):
+        return "a session id must be an int or a string, got a bool"
+    if isinstance(sequence_id, (int, np.integer)):
+        v = int(sequence_id)
+        if v == 0:
+            return "session id 0 means 'no sequence'; use a non-zero id"
+        if not -(1 << 63) <= v < _UINT64:
+            return f"an integer session id must fit in 64 bits, got {preview(v)}"
+        return None
+    if isinstance(sequence_id, str):
+        if not sequence_id:
+            return "a session id must not be empty"
+        try:
+            size = len(sequence_id.encode("utf-8"))
+        except UnicodeEncodeError:
+            return f"a string session id must be valid Unicode (no lone surrogates), got {preview(sequence_id)}"
+        if size > MAX_STRING_ID_BYTES:
+            return (f"a string session id must be at most {MAX_STRING_ID_BYTES} bytes in UTF-8 (Triton's limit), "
+                    f"got {size} bytes: {preview(sequence_id)}")
+        if "\0" in sequence_id:
+            return (f"a string session id must not contain NUL: the server would see it cut at the NUL, as another "
+                    f"session's id; got {preview(sequence_id)}")
+        return None
+    return f"a session id must be an int or a string, got {type(sequence_id).__name__}"
+
+
+def canonical_session_id(sequence_id):
+    """The id a session is known by: an int as its signed int64 value (what a client sends; Triton
+    hands the model the uint64 form of a negative id), a str as it is."""
+    if isinstance(sequence_id, (int, np.integer)) and not isinstance(sequence_id, (bool, np.bool_)):
+        v = int(sequence_id)
+        return v - _UINT64 if v >= 1 << 63 else v
+    return str(sequence_id)
+
+
 def session_key(sequence_id) -> str:
-    """The event log's and the session cache's key of a session: integer and string sequence ids
-    never collide ("i:42" vs "s:42")."""
-    return f"i:{sequence_id}" if isinstance(sequence_id, int) else f"s:{sequence_id}"
+    """The event log's and the session cache's key of a session: "i:<signed int64>" or "s:<the
+    string, whole>"; integer and string ids never collide ("i:42" vs "s:42")."""
+    sid = canonical_session_id(sequence_id)
+    return f"i:{sid}" if isinstance(sid, int) else f"s:{sid}"
+
+
+def session_header(sequence_id) -> str:
+    """SESSION_HEADER's value: the session's key with the string's UTF-8 bytes percent-encoded,
+    so any id travels as printable ASCII (gRPC metadata) and two ids never share a value
+    ("s:%C3%BC-1" for "ü-1", "i:-5" for -5). Every client of one balancer must use this function:
+    the balancer hashes the encoded value."""
+    sid = canonical_session_id(sequence_id)
+    return f"i:{sid}" if isinstance(sid, int) else "s:" + quote(sid, safe="")
+
+
+# ------------------------------------------------------------------------------------------
+# Request values in messages
+# ------------------------------------------------------------------------------------------
+PREVIEW_CHARS = 40  # characters of a request value an error message shows
+
+
+def preview(value, limit: int = PREVIEW_CHARS) -> str:
+    """A request value as an error message shows it: its repr, cut to `limit` characters with
+    its length said, so a message stays short whatever the request held."""
+    if isinstance(value, (str, bytes)) and len(value) > limit:
+        unit = "characters" if isinstance(value, str) else "bytes"
+        return f"{value[:limit]!r}... ({len(value)} {unit})"
+    text = repr(value)
+    return text if len(text) <= limit + 2 else f"{text[:limit]}... ({len(text)} characters)"
 
 
 # ------------------------------------------------------------------------------------------
@@ -204,3 +283,23 @@ NOT_FOUND = "NOT_FOUND"
 RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
 FAILED_PRECONDITION = "FAILED_PRECONDITION"
 UNAVAILABLE = "UNAVAILABLE"  # retry: the event log or a concurrent writer got in the way
+
+# Statuses that Triton's Python backend has no error code for (its codes give INVALID_ARGUMENT,
+# NOT_FOUND, UNAVAILABLE, INTERNAL, UNIMPLEMENTED, ALREADY_EXISTS, CANCELLED, UNKNOWN) travel as the
+# gRPC status named here, their message starting with the status in brackets; status_of() reads it.
+TAGGED_STATUSES = {FAILED_PRECONDITION: INVALID_ARGUMENT}
+_TAG = re.compile(r"\[([A-Z_]+)\] ")
+
+
+def tagged_message(status: str, message: str) -> str:
+    """A stage's message as it travels: tagged with `status` when Triton has no code for it."""
+    return f"[{status}] {message}" if status in TAGGED_STATUSES else message
+
+
+def status_of(grpc_status: str, message: str) -> str:
+    """The status a stage answered with, from the gRPC status and message a client receives (Triton
+    may put words before the stage's message: the first tag counts)."""
+    m = _TAG.search(message or "")
+    if m and TAGGED_STATUSES.get(m.group(1)) == grpc_status:
+        return m.group(1)
+    return grpc_status

@@ -350,6 +350,11 @@ def test_stub_keeps_each_status_as_tritons_error_code(monkeypatch):
     assert [r.error().code() for r in out[1:]] == [E.INVALID_ARG, E.NOT_FOUND, E.INVALID_ARG, E.UNAVAILABLE, E.UNAVAILABLE,
                                                    E.INTERNAL, E.INTERNAL]
     assert out[6].error().message() == "stage: RuntimeError: boom" and responses[7].status == INTERNAL
+    # Triton has no FAILED_PRECONDITION: it travels as INVALID_ARGUMENT, tagged, and the client reads it back
+    assert out[3].error().message() == "[FAILED_PRECONDITION] gap" and out[1].error().message() == "bad"
+    assert P.status_of(P.INVALID_ARGUMENT, "in ensemble 'recommend', " + out[3].error().message()) == P.FAILED_PRECONDITION
+    assert P.status_of(P.INVALID_ARGUMENT, out[1].error().message()) == P.INVALID_ARGUMENT
+    assert P.status_of(P.NOT_FOUND, "[FAILED_PRECONDITION] not from a stage's tag") == P.NOT_FOUND
     requests = stub.plain_requests([pb.InferenceRequest([pb.Tensor("A", np.ones((1, 1)))], "user-1", START | END)])
     assert requests[0].correlation_id == "user-1" and requests[0].flags == START | END
     assert requests[0].inputs["A"].as_numpy().tolist() == [[1.0]]  # Triton's tensor, read once its shape is checked

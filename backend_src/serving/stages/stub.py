@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from backend_src.serving.stages.messages import StageRequest
 from backend_src.serving.validation import error_code
+from genrec_contract.protocol import tagged_message
 
 
 def plain_requests(requests) -> list:
@@ -14,11 +15,11 @@ def plain_requests(requests) -> list:
 
 def triton_responses(responses, pb_utils) -> list:
     """The stage's StageResponses -> Triton's responses (a refusal keeps its status: INVALID_ARG, NOT_FOUND,
-    UNAVAILABLE, INTERNAL)."""
+    UNAVAILABLE, INTERNAL; one Triton has no code for is tagged in the message, see protocol.tagged_message)."""
     Tensor, Response, Error = pb_utils.Tensor, pb_utils.InferenceResponse, pb_utils.TritonError
     return [
         Response(output_tensors=[Tensor(k, v) for k, v in r.outputs.items()]) if r.error is None
-        else Response(error=Error(r.error, error_code(r.status, Error)))
+        else Response(error=Error(tagged_message(r.status, r.error), error_code(r.status, Error)))
         for r in responses
     ]
 
