@@ -165,8 +165,10 @@ def test_ranker_input_checks():
         (dict(timestamps=_with("timestamps", (0, 1), int64_max)), "HISTORY_TIMESTAMPS out of range at positions 1"),
         (dict(timestamps=_with("timestamps", (0, 2), 0)), "HISTORY_TIMESTAMPS out of order: row 2 at 0"),
         # candidate log-probs and codes
-        (dict(log_probs=_with("log_probs", (0, 1), np.nan)), r"CANDIDATE_LOG_PROBS holds NaN or \+inf at positions 1"),
-        (dict(log_probs=_with("log_probs", (0, 0), np.inf)), r"CANDIDATE_LOG_PROBS holds NaN or \+inf at positions 0"),
+        (dict(log_probs=_with("log_probs", (0, 1), np.nan)), r"CANDIDATE_LOG_PROBS holds .*NaN or \+inf at positions 1"),
+        (dict(log_probs=_with("log_probs", (0, 0), np.inf)), r"CANDIDATE_LOG_PROBS holds .*NaN or \+inf at positions 0"),
+        (dict(log_probs=_with("log_probs", (0, 2), 3.4e38)), r"CANDIDATE_LOG_PROBS holds values above 0.* at positions 2"),
+        (dict(log_probs=_with("log_probs", (0, 1), 0.01)), r"CANDIDATE_LOG_PROBS holds values above 0.* at positions 1"),
         (dict(codes=_with("codes", (0, 1, 3), 3)),
          r"CANDIDATE_CODES out of range .* candidate 1, level 3: 3; level sizes are \[4, 4, 4, 3\]"),
         # -1 names no code, and candidate 0 is not an empty beam
@@ -185,6 +187,8 @@ def test_ranker_input_checks():
     _rank_check(log_probs=_with("log_probs", (0, 0), -np.inf), candidates=_with("candidates", (0, 0), 0),
                 codes=_with("codes", (0, 0), -1))
     _rank_check(codes=_with("codes", (0, 3), 0))
+    _rank_check(log_probs=_with("log_probs", (0, 1), 0.0))  # log 1, and float rounding just above it
+    _rank_check(log_probs=_with("log_probs", (0, 1), 1e-6))
 
 
 def test_error_codes():

@@ -142,6 +142,7 @@ def test_ranker_refuses_bad_inputs(served):
         # candidate log-probs and codes
         ({LP: changed(good[LP], (0, 1), np.nan)}, LP, "NaN or +inf"),
         ({LP: changed(good[LP], (0, 0), np.inf)}, LP, "NaN or +inf"),
+        ({LP: changed(good[LP], (0, 2), 3.4e38)}, LP, "above 0"),  # log-probabilities are <= 0
         ({CC: changed(good[CC], (0, 0, 0), 99)}, CC, "out of range"),
         ({CC: changed(good[CC], (0, 0, 1), -5)}, CC, "out of range"),
         # timestamps: int64 extremes (their differences overflow), out of order

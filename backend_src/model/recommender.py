@@ -23,6 +23,7 @@ from backend_src.model.decoder import SemanticIdDecoder
 from backend_src.model.hstu import HistoryCache, HSTUEncoder
 from backend_src.model.ranker import MFalconRanker
 from backend_src.model.semantic_ids import SemanticIdCodebook
+from genrec_contract.protocol import preview
 
 CHECKPOINT_FORMAT = 1
 # What each served stage runs; its artifact (save_stage) holds these parts only. "vocabulary" is
@@ -234,7 +235,7 @@ class GenerativeRecommender(nn.Module):
             out[j] = get(raw.decode() if isinstance(raw, bytes) else str(raw), 0)
         unknown = [raw_ids[j] for j in np.flatnonzero(out == 0)] if strict else []
         if unknown:
-            shown = ", ".join(repr(u) for u in unknown[:5])
+            shown = ", ".join(preview(u) for u in unknown[:5])  # an id may be as long as a request allows
             more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
             raise KeyError(f"unknown item ids: {shown}{more}")
         return out

@@ -30,6 +30,8 @@ from backend_src.config import ATTENTION_MODES, DecodeOptions
 from genrec_contract import protocol as P
 
 _SHOW = 5  # offending values named in a message
+LOG_PROB_TOLERANCE = 1e-4  # a beam log-probability above 0 by more than float rounding is refused
+preview = P.preview  # a request value in a message: its first characters and its length
 MAX_TIMESTAMP = 2**53 - 1  # largest accepted timestamp (seconds); see the module doc
 
 
@@ -56,7 +58,7 @@ class Limits:
 
 
 def _fmt(values: Sequence, total: int | None = None) -> str:
-    shown = ", ".join(repr(v) for v in list(values)[:_SHOW])
+    shown = ", ".join(preview(v) for v in list(values)[:_SHOW])
     total = len(values) if total is None else total
     return shown + (f" and {total - _SHOW} more" if total > _SHOW else "")
 
@@ -104,7 +106,7 @@ def decode_strings(arr: np.ndarray, name: str) -> list:
             try:
                 v = v.decode("utf-8")
             except UnicodeDecodeError:
-                raise RequestError(f"input '{name}' holds a value that is not UTF-8: {v[:40]!r}") from None
+                raise RequestError(f"input '{name}' holds a value that is not UTF-8: {preview(v)}") from None
         out.append(str(v))
     return out
 
@@ -271,10 +273,10 @@ def check_ranker_inputs(
     cands = candidates[0]
     _check_indices(cands, "CANDIDATE_ITEMS", num_items, "empty beam")
     lp = log_probs[0]
-    if not lp.max() < np.inf:  # a NaN fails this test too
-        bad = np.flatnonzero(np.isnan(lp) | (lp == np.inf))
+    if not lp.max() <= LOG_PROB_TOLERANCE:  # a NaN fails this test too
+        bad = np.flatnonzero(~(lp <= LOG_PROB_TOLERANCE))
         raise RequestError(
-            f"CANDIDATE_LOG_PROBS holds NaN or +inf at positions {_fmt(bad.tolist())} "
+            f"CANDIDATE_LOG_PROBS holds values above 0, NaN or +inf at positions {_fmt(bad.tolist())} "
             f"(values {_fmt(lp[bad].tolist())}): log-probabilities are <= 0, -inf for an empty beam"
         )
     c = codes[0]
@@ -350,7 +352,7 @@ def parse_options(values: Mapping, defaults: DecodeOptions, default_top_k: int, 
     if mode is not None:
         mode = mode.decode("utf-8", "replace") if isinstance(mode, bytes) else str(mode)
         if mode not in ATTENTION_MODES:
-            raise RequestError(f"DECODE_MODE must be one of {', '.join(ATTENTION_MODES)}, got {mode!r}")
+            raise RequestError(f"DECODE_MODE must be one of {', '.join(ATTENTION_MODES)}, got {preview(mode)}")
     opts = replace(
         defaults,
         mode=mode if mode is not None else defaults.mode,
@@ -389,6 +391,7 @@ def read_input(inputs: Mapping, spec: P.TensorSpec, sizes: dict, max_elements: i
 # "UNAVAILABLE" and "INTERNAL" are spelled out: protocol has no constant for INTERNAL (a client is never told to send it).
 _ERROR_CODES = {
     P.NOT_FOUND: "NOT_FOUND",
+    P.ABORTED: "ALREADY_EXISTS",  # travels tagged (protocol.TAGGED_STATUSES)
     P.RESOURCE_EXHAUSTED: "UNAVAILABLE",  # a full server: retrying later may succeed
     "UNAVAILABLE": "UNAVAILABLE",
     "INTERNAL": "INTERNAL",  # the stage failed, not the request

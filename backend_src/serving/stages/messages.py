@@ -8,9 +8,11 @@ from typing import Any, Mapping
 import numpy as np
 
 from backend_src.serving.validation import RequestError
+from genrec_contract.protocol import preview
 
 START, END = 1, 2  # bits of StageRequest.flags, as Triton's sequence flags
 INTERNAL = "INTERNAL"  # the status of a failure that is not the request's fault
+_MAX_DETAIL = 240  # characters of an exception's text an INTERNAL answer shows
 
 
 @dataclass(slots=True)
@@ -41,7 +43,10 @@ class StageResponse:
     @classmethod
     def internal(cls, exc: Exception, stage: str) -> "StageResponse":
         """A failure of the stage's work on requests it accepted, whatever the exception."""
-        return cls(error=f"{stage}: {type(exc).__name__}: {exc}", status=INTERNAL)
+        detail = str(exc)
+        if len(detail) > _MAX_DETAIL:  # an exception's text may quote the request
+            detail = preview(detail, _MAX_DETAIL)
+        return cls(error=f"{stage}: {type(exc).__name__}: {detail}", status=INTERNAL)
 
 
 def as_array(tensor) -> np.ndarray:
