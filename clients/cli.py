@@ -6,9 +6,10 @@
     python -m clients.cli close --session u1
     python -m clients.cli health
 
-A session id made of digits is sent as an integer id, anything else as a string id (at most
-128 characters). Sessions live on the server (its event log), so separate invocations continue
-one session; `close` ends the visit and keeps the session.
+`--session` that is an integer (e.g. 42 or -5) is an integer id, anything else a string id (at most
+128 bytes in UTF-8, no NUL); `--session-string 42` is the string id "42". Sessions live on the
+server (its event log), so separate invocations continue one session; `close` ends the visit and
+keeps the session.
 Exit status: 0 ok, 1 refused request (the JSON names the gRPC status and the server's message),
 2 the server holds no events for the session (open it with the user's history), 3 server or
 models not ready.
@@ -20,10 +21,14 @@ import json
 import sys
 
 from clients.client import RecommenderClient, RecommenderError, SessionLost
+from genrec_contract.protocol import parse_session_id
 
 
-def _session(value: str):
-    return int(value) if value.lstrip("-").isdigit() else value
+def _add_session(p: argparse.ArgumentParser) -> None:
+    ids = p.add_mutually_exclusive_group(required=True)
+    ids.add_argument("--session", dest="session", type=parse_session_id,
+                     help="session id: an integer id if it is an integer, else a string id")
+    ids.add_argument("--session-string", dest="session", help="a string session id, also one that looks like an integer")
 
 
 def _add_options(p: argparse.ArgumentParser) -> None:
@@ -63,12 +68,12 @@ def build_parser() -> argparse.ArgumentParser:
         ("recommend", "recommendations for a session's current history", None),
     ):
         p = sub.add_parser(name, help=help_)
-        p.add_argument("--session", required=True, type=_session)
+        _add_session(p)
         if events:
             _add_events(p, required=events == "required")
         _add_options(p)
     p = sub.add_parser("close", help="end the visit (the server keeps the session for the next one)")
-    p.add_argument("--session", required=True, type=_session)
+    _add_session(p)
     sub.add_parser("health", help="server and model readiness, versions")
     return ap
 

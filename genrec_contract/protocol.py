@@ -154,6 +154,16 @@ def session_key(sequence_id) -> str:
     return f"i:{sid}" if isinstance(sid, int) else f"s:{sid}"
 
 
+def parse_session_id(text: str, string: bool = False):
+    """A session id as the command lines spell it: an integer id when `text` is an integer (an
+    optional minus and digits), else a string id; `string`: a string id whatever it looks like
+    (the command lines' --session-string, for "42" as a string)."""
+    t = text.strip()
+    if not string and t.lstrip("-").isdigit() and t.count("-") <= 1 and t.isascii():
+        return int(t)
+    return text
+
+
 def session_header(sequence_id) -> str:
     """SESSION_HEADER's value: the session's key with the string's UTF-8 bytes percent-encoded,
     so any id travels as printable ASCII (gRPC metadata) and two ids never share a value
@@ -283,17 +293,34 @@ NOT_FOUND = "NOT_FOUND"
 RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
 FAILED_PRECONDITION = "FAILED_PRECONDITION"
 UNAVAILABLE = "UNAVAILABLE"  # retry: the event log or a concurrent writer got in the way
+ABORTED = "ABORTED"  # another writer's events hold positions the request claims: re-send after them (resend_after)
 
 # Statuses that Triton's Python backend has no error code for (its codes give INVALID_ARGUMENT,
 # NOT_FOUND, UNAVAILABLE, INTERNAL, UNIMPLEMENTED, ALREADY_EXISTS, CANCELLED, UNKNOWN) travel as the
 # gRPC status named here, their message starting with the status in brackets; status_of() reads it.
-TAGGED_STATUSES = {FAILED_PRECONDITION: INVALID_ARGUMENT}
+TAGGED_STATUSES = {FAILED_PRECONDITION: INVALID_ARGUMENT, ABORTED: "ALREADY_EXISTS"}
 _TAG = re.compile(r"\[([A-Z_]+)\] ")
 
 
 def tagged_message(status: str, message: str) -> str:
     """A stage's message as it travels: tagged with `status` when Triton has no code for it."""
     return f"[{status}] {message}" if status in TAGGED_STATUSES else message
+
+
+# An ABORTED message ends with what to re-send and where: the request's events from its event `skip` on
+# (the earlier ones are the very events held at their positions) after the `count` events the session holds.
+_RESEND = "re-send this request's events from its event {skip} on with EVENTS_BEFORE={count}"
+_RESEND_PATTERN = re.compile(re.escape(_RESEND).replace(r"\{skip\}", r"(\d+)").replace(r"\{count\}", r"(\d+)") + r"\s*$")
+
+
+def resend_after(skip: int, count: int) -> str:
+    return _RESEND.format(skip=skip, count=count)
+
+
+def resend_of(message: str) -> tuple | None:
+    """(skip, count) from an ABORTED message's end (resend_after), or None."""
+    m = _RESEND_PATTERN.search(message or "")
+    return (int(m.group(1)), int(m.group(2))) if m else None
 
 
 def status_of(grpc_status: str, message: str) -> str:
