@@ -8,7 +8,10 @@ A *visit* is one Triton sequence: the first request the client sends for a sessi
 ``close_session`` ends it (the server keeps the session), and the server ends a visit that idles
 for a few seconds. Every request carries the number of events this client sent before it
 (EVENTS_BEFORE), so the server applies each event once: a request that timed out, or failed
-while a model was being swapped or a stage restarted, is retried safely (``retries``).
+while a model was being swapped or a stage restarted, is retried safely (``retries``). Another
+writer of the same session (a second device) whose events took the positions this client's
+events claimed is not a retry: the server refuses them (ABORTED) naming its count, and
+``open_session`` and ``append`` send them again after it (``conflict_retries``).
 
     client = RecommenderClient("localhost:8001")
     rec = client.open_session("u1", ["B0001", "B0002"], timestamps=[1700000000, 1700000060])
@@ -56,6 +59,9 @@ _NO_VISIT = "must specify the START flag"
 # makes the server apply each event once.
 _RETRYABLE = {"UNAVAILABLE", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED", "CANCELLED"}
 _STAGE_RESTARTING = ("not healthy", "Stub process", "is not ready", "unavailable", "failed to connect", "Socket closed")
+# RESOURCE_EXHAUSTED from gRPC's own size limits (a message, or its metadata, over the limit): the
+# request itself is too large, and sent again it fails again
+_TOO_LARGE = ("larger than max", "exceeds limit", "too large")
 
 _OUTPUTS = (P.RECOMMENDED_IDS, P.RANK_SCORES, P.RETRIEVAL_LOG_PROBS, P.SEMANTIC_IDS, P.HISTORY_LENGTH, P.TRUNCATED,
             P.EVENT_COUNT, P.RESTORED)
@@ -92,6 +98,7 @@ class Recommendation:
     latency_ms: float  # client-side round trip of the request, retries included
     event_count: int = 0  # events the server holds for the session (all ever accepted)
     restored: bool = False  # the session was rebuilt from the server's event log on this request
+    resent: int = 0  # times the events were sent again after another writer's that took their positions
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -200,6 +207,7 @@ class RecommenderClient:
         backoff_s: float = 0.1,
         headers: dict | None = None,
         verbose: bool = False,
+        conflict_retries: int = 8,
     ):
         self.url, self.model, self.timeout_s = url, model, timeout_s
         self.retries, self.backoff_s = int(retries), float(backoff_s)
@@ -209,6 +217,8 @@ class RecommenderClient:
         self._lock = threading.Lock()
         self.retried = 0  # attempts sent again after a retryable failure
         self.visits_restarted = 0  # requests sent again with START because the server no longer had the visit
+        self.conflict_retries = int(conflict_retries)  # re-sends after other writers' events, per call
+        self.conflicts_resolved = 0  # events sent again after another writer's (ABORTED)
 
     # ---- sessions ---------------------------------------------------------------------------
     def open_session(self, session_id, item_ids: Sequence, actions=None, timestamps=None, end_visit: bool = False,
@@ -216,18 +226,17 @@ class RecommenderClient:
         """The user's history as this client service knows it (oldest first). The server applies
         only the events it does not hold yet, so opening a known session again is safe.
         end_visit: this request also ends the visit (a visit of one request)."""
-        inputs, _, _ = event_inputs(item_ids, actions, timestamps)
-        return self._send(session_id, inputs, len(item_ids), options, events_before=0, end=end_visit)
+        return self._send_events(session_id, item_ids, actions, timestamps, options, events_before=0, end=end_visit)
 
     def append(self, session_id, item_ids: Sequence, actions=None, timestamps=None, end_visit: bool = False,
                **options) -> Recommendation:
         """Add the events since the last request (may be none) and get fresh recommendations.
-        Applied exactly once, retries included."""
-        inputs, _, _ = event_inputs(item_ids, actions, timestamps)
+        Applied exactly once, retries included; after another writer's events, if theirs came first."""
+        event_inputs(item_ids, actions, timestamps)  # bad events fail here, before any request
         state = self._state(session_id)
         if state.count is None and len(item_ids):
             self.resume(session_id, **options)  # learn how many events the server holds
-        return self._send(session_id, inputs, len(item_ids), options, events_before=state.count, end=end_visit)
+        return self._send_events(session_id, item_ids, actions, timestamps, options, events_before=state.count, end=end_visit)
 
     def recommend(self, session_id, end_visit: bool = False, **options) -> Recommendation:
         """Recommendations for the session's current history (no new events)."""
@@ -299,6 +308,28 @@ class RecommenderClient:
         self.close()
 
     # ---- one request --------------------------------------------------------------------------
+    def _send_events(self, session_id, item_ids, actions, timestamps, options: dict, events_before, end: bool):
+        """Events sent after `events_before`. When another writer's events hold positions they claimed
+        (ABORTED), they are sent again after the count the server names, leaving out those of them that are
+        the very events held there, at most conflict_retries times; the answer's event_count is the session's
+        count once they landed and `resent` says how often they were sent again."""
+        items = list(item_ids)
+        inputs, actions, timestamps = event_inputs(items, actions, timestamps)  # timestamps fixed once, for every re-send
+        for resent in range(self.conflict_retries + 1):
+            try:
+                rec = self._send(session_id, inputs, len(items), options, events_before=events_before, end=end)
+            except RecommenderError as e:
+                resend = P.resend_of(e.message) if e.status == P.ABORTED else None
+                if resend is None or resent == self.conflict_retries:
+                    raise
+                skip, events_before = resend
+                self.conflicts_resolved += 1
+                items, actions, timestamps = items[skip:], actions[skip:], timestamps[skip:]
+                inputs, _, _ = event_inputs(items, actions, timestamps)
+                continue
+            rec.resent = resent
+            return rec
+
     def _state(self, session_id) -> _SessionState:
         with self._lock:
             return self._sessions.setdefault(session_id, _SessionState())
@@ -331,7 +362,8 @@ class RecommenderClient:
                     self.visits_restarted += 1
                     start = True
                     continue
-                retryable = status in _RETRYABLE or any(m in message for m in _STAGE_RESTARTING)
+                too_large = status == "RESOURCE_EXHAUSTED" and any(m in message for m in _TOO_LARGE)
+                retryable = not too_large and (status in _RETRYABLE or any(m in message for m in _STAGE_RESTARTING))
                 if not (retryable and idempotent) or attempt == self.retries:
                     state.visit = False
                     if status == "NOT_FOUND":

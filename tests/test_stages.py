@@ -164,7 +164,7 @@ def test_encoder_refuses_a_gap_and_an_unknown_session_changing_nothing(encoder):
     (dict(TOP_K=0), "TOP_K must be in"),
     (dict(DECODE_MODE="beam"), "DECODE_MODE must be one of"),
     (dict(TOP_K=9), r"TOP_K \(9\) must not exceed BEAM_WIDTH \(8\)"),
-    (dict(t0=10), "before the session's last event"),
+    (dict(backwards=True), "TIMESTAMPS out of order: event 1 at 5000 is before event 0 at 5060"),
     (dict(first=NUM_ITEMS + 5, unknown=True), "ITEM_IDS"),
 ])
 def test_encoder_refused_request_changes_nothing(encoder, bad, message):
@@ -172,8 +172,10 @@ def test_encoder_refused_request_changes_nothing(encoder, bad, message):
     import re
 
     before = one(encoder, events_request(11, 1, 4, before=0, flags=START))
-    kwargs = dict(first=5, t0=5000) | {k: v for k, v in bad.items() if k != "unknown"}
+    kwargs = dict(first=5, t0=5000) | {k: v for k, v in bad.items() if k not in ("unknown", "backwards")}
     request = events_request(11, kwargs.pop("first"), 2, before=4, flags=END, t0=kwargs.pop("t0"), **kwargs)
+    if bad.get("backwards"):  # a request whose own events go back in time
+        request.inputs[P.TIMESTAMPS.name] = np.array([[5060, 5000]], np.int64)
     if bad.get("unknown"):
         request.inputs[P.ITEM_IDS.name] = np.array([[b"no-such-item", b"sku-1"]], dtype=object)
     refused = one(encoder, request)
@@ -226,6 +228,126 @@ def test_encoder_answers_unavailable_when_the_log_is_and_changes_nothing(encoder
     assert refused.status == P.UNAVAILABLE and "event log is unavailable" in refused.error
     monkeypatch.undo()
     assert state(encoder, 16) == {"logged": 3, "cached": 3}
+
+
+def logged_events(stage: EncoderStage, sid) -> list:
+    tail = stage.log.tail(P.session_key(sid), 1000)
+    return list(zip(tail.items, tail.actions, tail.timestamps))
+
+
+def test_encoder_tells_a_retry_from_a_second_writer(encoder):
+    """Writer A and writer B (a second device after resume) both append after event 0: A's lands, B's is refused
+    with ABORTED naming what to re-send and after how many events; A's retry is still applied once."""
+    one(encoder, events_request(17, 1, 1, before=0, flags=START))
+    a = one(encoder, events_request(17, 2, 1, before=1, t0=2000))
+    b = one(encoder, events_request(17, 3, 1, before=1, t0=2000))  # B's view of the count is stale
+    assert scalars(a)["count"] == 2 and b.status == P.ABORTED, b.error
+    assert "events 1..1 are held and differ" in b.error and P.resend_of(b.error) == (0, 2)
+    assert state(encoder, 17) == {"logged": 2, "cached": 2}  # the refusal changed nothing
+    b = one(encoder, events_request(17, 3, 1, before=2, t0=2000))  # re-sent after the events held
+    retry_a = one(encoder, events_request(17, 2, 1, before=1, t0=2000))  # A's answer was lost: its retry
+    assert scalars(b)["count"] == scalars(retry_a)["count"] == 3
+    assert logged_events(encoder, 17) == [(item_id(1), 1, 1000), (item_id(2), 1, 2000), (item_id(3), 1, 2000)]
+    # a history re-sent whole (open_session) that matches the log up to an event: only the rest is refused
+    history = events_request(17, 1, 3, before=0)
+    history.inputs[P.TIMESTAMPS.name] = np.array([[1000, 2000, 2000]], np.int64)
+    assert scalars(one(encoder, history))["count"] == 3  # the same three events: a retry
+    history.inputs[P.ITEM_IDS.name] = np.array([[item_id(1).encode(), item_id(2).encode(), b"sku-9"]], dtype=object)
+    refused = one(encoder, history)
+    assert refused.status == P.ABORTED and P.resend_of(refused.error) == (2, 3)
+    encoder.handle([])
+    assert encoder.metrics.totals["replayed"] == 1 + 3 and encoder.metrics.totals["logged"] == 3
+
+
+def test_encoder_write_race_loser_retries_into_a_conflict(encoder, published, tmp_path, monkeypatch):
+    """Two encoders (instances or replicas) on one log append to a session at the same moment: the log's
+    compare-and-append takes one; the other is answered UNAVAILABLE, and its retry is a conflict it resolves."""
+    repo, _ = published
+    one(encoder, events_request(18, 1, 2, before=0, flags=START))
+    other = EncoderStage(repo / P.ENCODER / "1", params(repo, P.ENCODER, event_log=tmp_path / "events.sqlite3"))
+    try:
+        assert scalars(one(other, events_request(18, 1, 0, before=2)))["restored"]  # both hold the session at count 2
+        write = other.log.append_many
+
+        def write_after_the_first_writer(writes):  # the first writer's append lands between plan and write
+            assert scalars(one(encoder, events_request(18, 10, 1, before=2, t0=3000)))["count"] == 3
+            monkeypatch.setattr(other.log, "append_many", write)
+            return write(writes)
+
+        monkeypatch.setattr(other.log, "append_many", write_after_the_first_writer)
+        lost = one(other, events_request(18, 20, 1, before=2, t0=3000))
+        assert lost.status == P.UNAVAILABLE and "at the same time" in lost.error
+        retried = one(other, events_request(18, 20, 1, before=2, t0=3000))
+        assert retried.status == P.ABORTED and P.resend_of(retried.error) == (0, 3)
+        assert scalars(one(other, events_request(18, 20, 1, before=3, t0=3000)))["count"] == 4
+        assert [e[0] for e in logged_events(other, 18)] == [item_id(1), item_id(2), item_id(10), item_id(20)]
+    finally:
+        other.close()
+
+
+def test_encoder_logs_a_second_writers_late_event_as_given(encoder, published, tmp_path):
+    """An event older than the session's last (another device's clock) lands: logged with its own timestamp,
+    encoded at the session's last time, and a session rebuilt from the log encodes it the same way."""
+    repo, model = published
+    one(encoder, events_request(19, 1, 3, before=0, flags=START))  # at 1000, 1060, 1120
+    late = one(encoder, events_request(19, 4, 2, before=3, t0=500))  # at 500, 560
+    assert scalars(late)["count"] == 5
+    assert [e[2] for e in logged_events(encoder, 19)] == [1000, 1060, 1120, 500, 560]
+    assert late.outputs[P.HISTORY_TIMESTAMPS.name].tolist() == [[1000, 1060, 1120, 1120, 1120]]
+    cache = offline_states(model, [item_id(i) for i in range(1, 6)], [1000, 1060, 1120, 1120, 1120])
+    np.testing.assert_allclose(late.outputs[P.HISTORY_STATES.name], cache.states.numpy(), rtol=1e-4, atol=1e-5)
+    assert scalars(one(encoder, events_request(19, 4, 2, before=3, t0=500)))["count"] == 5  # its retry: applied once
+    fresh = EncoderStage(repo / P.ENCODER / "1", params(repo, P.ENCODER, event_log=tmp_path / "events.sqlite3"))
+    try:
+        rebuilt = one(fresh, events_request(19, 1, 0, before=5))
+        assert scalars(rebuilt)["restored"]
+        np.testing.assert_array_equal(rebuilt.outputs[P.HISTORY_TIMESTAMPS.name], late.outputs[P.HISTORY_TIMESTAMPS.name])
+        np.testing.assert_allclose(rebuilt.outputs[P.HISTORY_STATES.name], late.outputs[P.HISTORY_STATES.name], rtol=1e-4, atol=1e-5)
+    finally:
+        fresh.close()
+
+
+def test_encoder_refuses_claims_older_than_the_log_keeps(published, tmp_path, monkeypatch):
+    """Positions the log no longer keeps cannot be compared: a request whose claimed events all lie there is
+    refused (FAILED_PRECONDITION), neither dropped as a retry nor doubled; a history re-sent whole is compared
+    on the part the log keeps."""
+    monkeypatch.delenv("GENREC_EVENT_LOG", raising=False)
+    repo, _ = published
+    stage = EncoderStage(repo / P.ENCODER / "1", params(repo, P.ENCODER, event_log=tmp_path / "e.sqlite3", log_retain_events=1))
+    try:
+        n = MAX_HISTORY + 5  # the log keeps the last MAX_HISTORY (retention is at least the history kept)
+        assert scalars(one(stage, events_request(20, 1, n, before=0, flags=START)))["count"] == n
+        old = one(stage, events_request(20, 40, 1, before=2, t0=10**6))
+        assert old.status == P.FAILED_PRECONDITION and "events 2..2 are older than" in old.error and f"holds {n} events" in old.error
+        assert scalars(one(stage, events_request(20, 1, n, before=0)))["count"] == n  # the whole history again: a retry
+        assert stage.log.count(P.session_key(20)) == n
+    finally:
+        stage.close()
+
+
+def test_encoder_keys_a_negative_id_as_sent_and_the_deletion_command_erases_it(encoder, tmp_path, capsys):
+    """Triton hands the model the id -5 as 2**64 - 5: the session is "i:-5", the one `delete --session -5`
+    erases, together with what was logged under the unsigned key before."""
+    from backend_src.serving.event_log.cli import main as event_log_cli
+
+    opened = one(encoder, events_request((1 << 64) - 5, 1, 2, before=0, flags=START))
+    assert scalars(opened)["count"] == 2 and state(encoder, -5)["logged"] == 2
+    encoder.log.append(f"i:{(1 << 64) - 5}", 0, ["sku-1"], [1], [1000])  # a log of the unsigned key
+    assert event_log_cli(["delete", "--log", str(tmp_path / "events.sqlite3"), "--session", "-5"]) == 0
+    assert '"deleted": true' in capsys.readouterr().out
+    assert encoder.log.counts(["i:-5", f"i:{(1 << 64) - 5}"]) == [0, 0]
+    assert one(encoder, events_request((1 << 64) - 5, 1, 0)).status == P.NOT_FOUND  # served no more
+
+
+def test_encoder_refuses_huge_values_with_a_short_message(encoder):
+    """A 1 MB item id or option value is named by its first characters and its length."""
+    request = events_request(17, 1, 2, before=0, flags=START)
+    request.inputs[P.ITEM_IDS.name] = np.array([[b"x" * (1 << 20), b"sku-1"]], dtype=object)
+    refused = one(encoder, request)
+    assert refused.status == P.INVALID_ARGUMENT and "unknown item ids: 'xxx" in refused.error
+    assert len(refused.error) < 300 and f"({1 << 20} characters)" in refused.error
+    refused = one(encoder, events_request(17, 1, 2, before=0, flags=START, DECODE_MODE="m" * (1 << 20)))
+    assert refused.status == P.INVALID_ARGUMENT and "DECODE_MODE" in refused.error and len(refused.error) < 300
 
 
 # ------------------------------------------------------------------------------ decoder
@@ -355,6 +477,11 @@ def test_stub_keeps_each_status_as_tritons_error_code(monkeypatch):
     assert P.status_of(P.INVALID_ARGUMENT, "in ensemble 'recommend', " + out[3].error().message()) == P.FAILED_PRECONDITION
     assert P.status_of(P.INVALID_ARGUMENT, out[1].error().message()) == P.INVALID_ARGUMENT
     assert P.status_of(P.NOT_FOUND, "[FAILED_PRECONDITION] not from a stage's tag") == P.NOT_FOUND
+    # nor ABORTED (another writer's events at the claimed positions): it travels as ALREADY_EXISTS, tagged
+    (conflict,) = stub.triton_responses([StageResponse.failed(RequestError("taken; " + P.resend_after(0, 2), P.ABORTED), "s")], pb)
+    assert conflict.error().code() == E.ALREADY_EXISTS
+    message = "in ensemble 'recommend', " + conflict.error().message()
+    assert P.status_of("ALREADY_EXISTS", message) == P.ABORTED and P.resend_of(message) == (0, 2)
     requests = stub.plain_requests([pb.InferenceRequest([pb.Tensor("A", np.ones((1, 1)))], "user-1", START | END)])
     assert requests[0].correlation_id == "user-1" and requests[0].flags == START | END
     assert requests[0].inputs["A"].as_numpy().tolist() == [[1.0]]  # Triton's tensor, read once its shape is checked

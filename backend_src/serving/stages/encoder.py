@@ -69,6 +69,8 @@ class _Plan:
     def __init__(self, req, logged):
         self.index, self.key, self.end = req.index, req.key, req.end
         self.logged = logged  # events in the log before this request
+        self.offset = None  # the position of the request's first event (EVENTS_BEFORE, or the log's count)
+        self.claimed = None  # (raw ids, actions, timestamps) of its events at positions the log already holds
         self.reset = False  # START without EVENTS_BEFORE: the history starts afresh
         self.session = None  # the cached session, when it is current
         self.restored = False  # the base history comes from the log
@@ -187,9 +189,10 @@ class EncoderStage:
                     f"send the events from event {logged} on",
                     P.FAILED_PRECONDITION,
                 )
-            skip = min(logged - offset, n)  # events the log already has: a retry, applied once
-            if skip:
-                self.metrics.count("replayed", skip)
+            skip = min(logged - offset, n)  # events at positions the log holds: a retry's, or another writer's
+            plan.offset = offset
+            if skip:  # told apart by _compare_claimed
+                plan.claimed = (req.ids[:skip], req.actions[:skip], req.timestamps[:skip])
             if logged == 0 and n == skip:
                 raise V.RequestError(
                     f"session {req.key[2:]!r} has no events on this server: open it with the user's history", P.NOT_FOUND
@@ -199,6 +202,57 @@ class EncoderStage:
             plan.session = session
             plan.restored = session is None and logged > 0
         return plan
+
+    def _compare_claimed(self, plans, errors: dict) -> list:
+        """Plans whose first events claim positions the log already holds: the events logged there are
+        read (one log call for all) and compared with them. The same events (raw item id, action,
+        timestamp): a retry, applied once. Different: another writer's events hold those positions, and
+        the request is refused (ABORTED) saying what to re-send after the session's count. Returns the
+        plans that go on; a request without such positions (the common case) reads nothing more."""
+        claimed = [p for p in plans if p.claimed is not None]
+        if not claimed:
+            return plans
+        try:
+            held = self.log.event_ranges([(p.key, p.offset, p.offset + len(p.claimed[0])) for p in claimed])
+        except Exception as e:  # noqa: BLE001 - no log, no change
+            errors.update({p.index: self._log_unavailable(e) for p in claimed})
+            return [p for p in plans if p.claimed is None]
+        for p, logged in zip(claimed, held):
+            try:
+                self._check_claimed(p, logged)
+            except V.RequestError as e:
+                errors[p.index] = e
+        return [p for p in plans if p.index not in errors]
+
+    def _check_claimed(self, p: _Plan, held) -> None:
+        name, n = p.key[2:], len(p.claimed[0])
+        first, last = p.offset, p.offset + n - 1
+        if held.count != p.logged:  # another request appended since the count was read: plan again
+            raise V.RequestError(
+                f"session {name!r}: another request appended to it at the same time (the server now holds "
+                f"{held.count} events); retry with EVENTS_BEFORE",
+                P.UNAVAILABLE,
+            )
+        if not held.items:  # nothing left to compare with: refused, neither dropped nor doubled
+            raise V.RequestError(
+                f"session {name!r}: events {first}..{last} are older than the {self.log.retain_events} the log keeps, "
+                f"so this request's events there cannot be told from another writer's; the server holds {p.logged} "
+                f"events: send only the events after them",
+                P.FAILED_PRECONDITION,
+            )
+        lo = held.start - first  # positions older than the log keeps are taken as the same events
+        ids, actions, timestamps = (x[lo:lo + len(held.items)] for x in p.claimed)
+        mine = zip(ids, actions.tolist(), timestamps.tolist())
+        differ = next((i for i, (a, b) in enumerate(zip(mine, zip(held.items, held.actions, held.timestamps))) if a != b), None)
+        if differ is None:  # a retry
+            self.metrics.count("replayed", n)
+            return
+        skip = lo + differ  # the request's events before this one are the very events held at their positions
+        raise V.RequestError(
+            f"session {name!r}: events {first + skip}..{last} are held and differ from this request's (another "
+            f"writer's); the server holds {p.logged} events; " + P.resend_after(skip, p.logged),
+            P.ABORTED,
+        )
 
     def _set_base(self, plan: _Plan, tail) -> None:
         """The history before this request's events: the cached session's, or the log's tail
@@ -212,13 +266,20 @@ class EncoderStage:
         elif plan.restored:
             items = self.model.item_indices(tail.items, strict=False)
             keep = items > 0
-            plan.base = tuple(torch.from_numpy(np.asarray(x, dtype=np.int64)[keep]) for x in (items, tail.actions, tail.timestamps))
+            items, actions, timestamps = (np.asarray(x, dtype=np.int64)[keep] for x in (items, tail.actions, tail.timestamps))
+            if timestamps.size:  # another writer's late events are logged as given (below): encoded at the time before them
+                timestamps = np.maximum.accumulate(timestamps)
+            plan.base = tuple(torch.from_numpy(x) for x in (items, actions, timestamps))
         else:  # a new session, or one that starts afresh
             empty = torch.zeros(0, dtype=torch.long)
             plan.base = (empty, empty, empty)
         ids, actions, timestamps = plan.new
         last = int(plan.base[2][-1]) if plan.base[2].numel() else None
-        V.check_continues(timestamps, last)  # the rest was checked in _parse, on all the request's events
+        if last is not None and len(timestamps) and timestamps[0] < last:
+            # a second writer's clock may be behind the session's last event: its events are logged as given
+            # and encoded at that last time (their own order was checked in _parse), so the history's time
+            # never goes back and the writer's events are not lost
+            timestamps = np.maximum(timestamps, last)
         try:
             items = self.model.item_indices(ids)
         except KeyError as e:
@@ -369,6 +430,7 @@ class EncoderStage:
                 plans.append(self._plan(q, int(logged)))
             except Exception as e:  # noqa: BLE001
                 errors[q.index] = e
+        plans = self._compare_claimed(plans, errors)
         try:
             restore = [p for p in plans if p.restored]
             tails = dict(zip((p.index for p in restore), self.log.tails([p.key for p in restore], self.max_history) if restore else []))
