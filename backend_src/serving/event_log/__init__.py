@@ -40,7 +40,9 @@ Deleting a user's log (data deletion requests)
 Errors
     ``LogConflict`` for a stale expected count; ``ValueError`` for bad input or URLs;
     ``EventLogUnavailable`` (a ``ConnectionError`` naming the Redis URL, password hidden)
-    when Redis cannot be reached, which the caller answers as UNAVAILABLE.
+    when Redis cannot be reached, which the caller answers as UNAVAILABLE. ``EventLogDamaged``
+    when the SQLite file is damaged, at open or later (the message names the file and how to
+    recover): no retry can succeed.
 
 Backends, chosen by URL in ``open_event_log`` (``memory:`` keeps the log in the process, NOT
 durable: only to measure what the others cost):
@@ -58,7 +60,7 @@ from typing import Optional
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from backend_src.serving.event_log.base import (
-    DEFAULT_REDIS_PREFIX, DEFAULT_RETAIN_EVENTS, DURABILITY, WRITE_ASIDE_EVENTS, EventLog, EventLogUnavailable,
+    DEFAULT_REDIS_PREFIX, DEFAULT_RETAIN_EVENTS, DURABILITY, WRITE_ASIDE_EVENTS, EventLog, EventLogDamaged, EventLogUnavailable,
     EventRange, LogConflict, UserLog,
 )
 from backend_src.serving.event_log.memory_log import MemoryEventLog
@@ -66,7 +68,7 @@ from backend_src.serving.event_log.redis_log import RedisEventLog, redact_url
 from backend_src.serving.event_log.sqlite_log import SQLiteEventLog
 
 __all__ = [
-    "DEFAULT_REDIS_PREFIX", "DEFAULT_RETAIN_EVENTS", "DURABILITY", "WRITE_ASIDE_EVENTS", "EventLog", "EventLogUnavailable",
+    "DEFAULT_REDIS_PREFIX", "DEFAULT_RETAIN_EVENTS", "DURABILITY", "WRITE_ASIDE_EVENTS", "EventLog", "EventLogDamaged", "EventLogUnavailable",
     "EventRange", "LogConflict", "MemoryEventLog", "RedisEventLog", "SQLiteEventLog", "UserLog", "open_event_log",
 ]
 
@@ -106,11 +108,11 @@ def _split_redis_url(url: str):
 
 
 def open_event_log(url: str, *, retain_events: int = DEFAULT_RETAIN_EVENTS, ttl_s: Optional[float] = None,
-                   durability: str = "full") -> EventLog:
+                   durability: str = "full", verify: bool = True) -> EventLog:
     """Open the event log at ``url``:
 
     ``sqlite:///abs/path.db``, ``sqlite:relative/path.db`` or a bare file path: SQLiteEventLog
-    (the file and its parent directories are created);
+    (the file and its parent directories are created; `verify`: an existing file is checked first);
     ``redis://[user:password@]host:port/db``, optionally ``?prefix=...`` for the keys:
     RedisEventLog (connects on first use)."""
     if not isinstance(url, (str, os.PathLike)):
@@ -128,7 +130,7 @@ def open_event_log(url: str, *, retain_events: int = DEFAULT_RETAIN_EVENTS, ttl_
         client_url, prefix = _split_redis_url(url)
         return RedisEventLog(client_url, prefix=prefix, **options)
     if scheme == "sqlite":
-        return SQLiteEventLog(_sqlite_path(url), **options)
+        return SQLiteEventLog(_sqlite_path(url), verify=verify, **options)
     if url == "memory:":
         return MemoryEventLog(**options)
     if "://" in url:
@@ -136,4 +138,4 @@ def open_event_log(url: str, *, retain_events: int = DEFAULT_RETAIN_EVENTS, ttl_
                          f"or redis://host:port/db")
     if url == ":memory:":
         raise ValueError("an in-memory SQLite event log is not durable; give a file path")
-    return SQLiteEventLog(url, **options)
+    return SQLiteEventLog(url, verify=verify, **options)

@@ -39,6 +39,11 @@ class EventLogUnavailable(ConnectionError):
     """The log's store cannot be reached (the message names where it was looked for)."""
 
 
+class EventLogDamaged(RuntimeError):
+    """The log's file is damaged (not a database, or pages that do not parse): no retry can
+    succeed until it is repaired. The message names the file and how to recover."""
+
+
 @dataclass(frozen=True)
 class UserLog:
     """``count``: events ever accepted for the user; the lists: the most recent retained events
