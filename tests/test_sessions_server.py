@@ -155,6 +155,32 @@ def test_each_event_is_applied_once_and_a_gap_is_refused(served):
     client.close()
 
 
+def test_two_writers_of_one_session_both_land_once(served):
+    """A opens a session with one event; B (a second device) resumes it; A appends an event, then B does
+    with its stale count: B's event is not taken for a retry of A's. The server refuses it (ABORTED, as
+    ALREADY_EXISTS on the wire) naming its count, B's client sends it again after A's, and both land once."""
+    url = served["server"].grpc_url
+    items, actions, ts = events(9, 3)
+    with RecommenderClient(url) as a, RecommenderClient(url) as b:
+        a.open_session("writers-1", items[:1], actions[:1], ts[:1], **OPTS)
+        assert b.resume("writers-1", **OPTS).event_count == 1
+        ra = a.append("writers-1", items[1:2], actions[1:2], ts[1:2], **OPTS)
+        rb = b.append("writers-1", items[2:3], actions[2:3], ts[2:3], **OPTS)
+        assert (ra.event_count, ra.resent, rb.event_count, rb.resent) == (2, 0, 3, 1)
+        assert b.conflicts_resolved == 1
+    log = logged(served["repo"], "writers-1")
+    assert (log.count, log.items, log.timestamps) == (3, items, ts)
+
+    client = grpcclient.InferenceServerClient(url)  # what any gRPC client sees
+    with pytest.raises(InferenceServerException) as e:
+        _raw(client, "writers-1", ["sku-7"], [ts[2]], before=2, actions=[1])
+    assert e.value.status() == "StatusCode.ALREADY_EXISTS" and "[ABORTED]" in e.value.message()
+    assert P.resend_of(e.value.message()) == (0, 3), e.value.message()
+    r = _raw(client, "writers-1", items[2:3], ts[2:3], before=2, actions=actions[2:3])  # B's retry: answered, not applied
+    assert int(r.as_numpy("EVENT_COUNT")[0, 0]) == 3 and logged(served["repo"], "writers-1").count == 3
+    client.close()
+
+
 def test_a_request_that_timed_out_is_safe_to_retry(served):
     """The client gives up before the server answers; the server still applies the request.
     Sending it again with the same EVENTS_BEFORE applies nothing twice."""
