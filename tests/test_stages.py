@@ -534,3 +534,52 @@ def test_session_metrics_send_only_what_changed():
     assert sorted(sent) == [("genrec_session_cache_bytes", "=", 2572), ("genrec_session_cache_peak_bytes", "=", 2572),
                             ("genrec_session_cache_sessions", "=", 2)]
     assert metrics.totals == {"restored": 0, "logged": 3, "replayed": 0}
+
+
+def corrupt_pages(path: Path) -> None:
+    """Every page after the first (the header and schema) overwritten with garbage, after the WAL's
+    pages went into the main file: what a failing disk or a stray write leaves."""
+    import sqlite3
+
+    with sqlite3.connect(path) as db:
+        db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+    data = bytearray(path.read_bytes())
+    data[4096:] = np.random.default_rng(0).integers(0, 256, len(data) - 4096, dtype=np.uint8).tobytes()
+    path.write_bytes(bytes(data))
+
+
+def test_encoder_answers_a_damaged_log_as_internal_without_retry_and_refuses_to_load_on_one(published, tmp_path, monkeypatch):
+    repo, _ = published
+    monkeypatch.delenv("GENREC_EVENT_LOG", raising=False)
+    path = tmp_path / "damaged.sqlite3"
+    stage = EncoderStage(repo / P.ENCODER / "1", params(repo, P.ENCODER, event_log=path))
+    try:
+        for sid in range(30, 60):
+            one(stage, events_request(sid, 1, 40, before=0, flags=START))
+        corrupt_pages(path)
+        refused = one(stage, events_request(61, 1, 3, before=0, flags=START))
+    finally:
+        stage.close()
+    assert refused.status == INTERNAL and "damaged" in refused.error and str(path) in refused.error, refused.error
+    assert "retry" not in refused.error.lower() and "unavailable" not in refused.error.lower()
+    assert ".recover" in refused.error
+    with pytest.raises(Exception, match="is damaged") as failed:  # a server on it does not start
+        EncoderStage(repo / P.ENCODER / "1", params(repo, P.ENCODER, event_log=path))
+    assert str(path) in str(failed.value) and "restore a backup" in str(failed.value)
+
+
+def test_encoder_close_leaves_every_event_in_the_main_file(published, tmp_path, monkeypatch):
+    import shutil
+    import sqlite3
+
+    repo, _ = published
+    monkeypatch.delenv("GENREC_EVENT_LOG", raising=False)
+    path = tmp_path / "log" / "events.sqlite3"
+    stage = EncoderStage(repo / P.ENCODER / "1", params(repo, P.ENCODER, event_log=path))
+    for sid in (71, 72):
+        one(stage, events_request(sid, 1, 5, before=0, flags=START))
+    stage.close()
+    shutil.copy(path, tmp_path / "alone.sqlite3")  # the main file without its WAL
+    with sqlite3.connect(tmp_path / "alone.sqlite3") as db:
+        assert db.execute("SELECT user, count FROM users ORDER BY user").fetchall() == [("i:71", 5), ("i:72", 5)]
+    assert not path.with_name(path.name + "-wal").exists() or path.with_name(path.name + "-wal").stat().st_size == 0

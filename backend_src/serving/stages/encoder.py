@@ -36,9 +36,9 @@ import torch
 from backend_src.model.hstu import HistoryCache
 from backend_src.model.recommender import GenerativeRecommender
 from backend_src.serving import validation as V
-from backend_src.serving.event_log import WRITE_ASIDE_EVENTS, LogConflict, open_event_log
+from backend_src.serving.event_log import WRITE_ASIDE_EVENTS, EventLogDamaged, LogConflict, open_event_log
 from backend_src.serving.session_store import DEFAULT_PREFAULT_BYTES, Session, SessionStore, prefault_heap
-from backend_src.serving.stages.messages import END, START, StageRequest, StageResponse, as_array
+from backend_src.serving.stages.messages import END, INTERNAL, START, StageRequest, StageResponse, as_array
 from backend_src.serving.stages.session_metrics import SessionMetrics
 from genrec_contract import protocol as P
 
@@ -406,6 +406,8 @@ class EncoderStage:
         })
 
     def _log_unavailable(self, exc):
+        if isinstance(exc, EventLogDamaged):  # no retry can succeed: the message says how to repair it
+            return V.RequestError(f"{P.ENCODER}: {exc}", INTERNAL)
         return V.RequestError(f"{P.ENCODER}: the event log is unavailable ({type(exc).__name__}: {exc}); retry", P.UNAVAILABLE)
 
     # ---- requests -> responses ----------------------------------------------------------------
