@@ -155,7 +155,7 @@ def test_bad_requests_fail_alone(served):
     cases = [
         (dict(sid=301, items=[item_id(1), "no-such-item", "also-missing"], start=True), "unknown item ids: 'no-such-item', 'also-missing'"),
         (dict(sid=302, items=good, timestamps=[50, 10], start=True), "TIMESTAMPS out of order"),
-        (dict(sid=203, items=[item_id(9)], timestamps=[5]), "before the session's last event"),
+        (dict(sid=203, items=[item_id(9), item_id(9)], timestamps=[10**6, 5]), "TIMESTAMPS out of order"),
         (dict(sid=303, items=[], start=True), "has no events on this server"),
         (dict(sid=304, items=good, start=True, TOP_K=0), "TOP_K must be in"),
         (dict(sid=305, items=good, start=True, DECODE_MODE="beam"), "DECODE_MODE must be one of"),
