@@ -8,7 +8,9 @@ A *visit* is one Triton sequence: the first request the client sends for a sessi
 ``close_session`` ends it (the server keeps the session), and the server ends a visit that idles
 for a few seconds. Every request carries the number of events this client sent before it
 (EVENTS_BEFORE), so the server applies each event once: a request that timed out, or failed
-while a model was being swapped or a stage restarted, is retried safely (``retries``). Another
+while a model was being swapped or a stage restarted, is retried safely: by default for up to
+``retry_budget_s`` (30 s, longer than a server restart or a short outage of the log takes), with
+full-jitter exponential backoff capped at ``max_backoff_s`` (2 s). Another
 writer of the same session (a second device) whose events took the positions this client's
 events claimed is not a retry: the server refuses them (ABORTED) naming its count, and
 ``open_session`` and ``append`` send them again after it (``conflict_retries``).
@@ -24,6 +26,7 @@ environment.
 """
 from __future__ import annotations
 
+import random
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -195,22 +198,31 @@ class RecommenderClient:
     """Sessions of the ``recommend`` ensemble over gRPC. One client may be shared by threads;
     a session's requests must not overlap (the server applies them in arrival order).
 
-    timeout_s bounds each attempt; a request is attempted at most 1 + retries times (backoff
-    between attempts), so every call ends within about (1 + retries) * timeout_s."""
+    Retries: a failure the same request can outlive (UNAVAILABLE, a timeout, a stage or server
+    restarting) of a request that is safe to send again is retried until `retry_budget_s` seconds
+    (30) have passed since the call began: each retry waits a random time in [0, min(max_backoff_s,
+    backoff_s * 2**attempt)] (full jitter: 0.1 s doubling up to 2 s), is sent only while time is left
+    and gets at most what is left as its timeout. So the defaults outlast a server restart (about 5 s)
+    and a few seconds without the event log, and every call ends within max(timeout_s, retry_budget_s).
+    `retries` caps the number of retries too (None: only the budget); timeout_s bounds each attempt."""
 
     def __init__(
         self,
         url: str = "localhost:8001",
         model: str = P.ENSEMBLE,
         timeout_s: float = 30.0,
-        retries: int = 4,
+        retries: int | None = None,
         backoff_s: float = 0.1,
+        retry_budget_s: float = 30.0,
+        max_backoff_s: float = 2.0,
         headers: dict | None = None,
         verbose: bool = False,
         conflict_retries: int = 8,
     ):
         self.url, self.model, self.timeout_s = url, model, timeout_s
-        self.retries, self.backoff_s = int(retries), float(backoff_s)
+        self.retries = None if retries is None else int(retries)
+        self.backoff_s, self.max_backoff_s, self.retry_budget_s = float(backoff_s), float(max_backoff_s), float(retry_budget_s)
+        self._jitter = random.Random()
         self.headers = dict(headers or {})  # sent with every request
         self._client = grpcclient.InferenceServerClient(url, verbose=verbose)
         self._sessions: dict = {}
@@ -349,31 +361,36 @@ class RecommenderClient:
         requested = [grpcclient.InferRequestedOutput(o.name) for o in outputs]
         headers = {**self.headers, P.SESSION_HEADER: P.session_header(sid)}  # a balancer keeps the session on one server
         t0 = time.perf_counter()
-        for attempt in range(self.retries + 1):
+        deadline = time.monotonic() + self.retry_budget_s  # no retry starts, nor runs, past it
+        attempt, timeout_s = 0, self.timeout_s
+        while True:
             try:
                 result = self._client.infer(
                     model or self.model, inputs, outputs=requested, sequence_id=sid, sequence_start=start, sequence_end=end,
-                    client_timeout=self.timeout_s, headers=headers,
+                    client_timeout=timeout_s, headers=headers,
                 )
                 break
             except InferenceServerException as e:
                 status, message = _status_name(e), e.message() or str(e)
-                if _NO_VISIT in message and not start:  # the server no longer has this visit
-                    self.visits_restarted += 1
-                    start = True
-                    continue
+                no_visit = _NO_VISIT in message and not start  # the server no longer has this visit
                 too_large = status == "RESOURCE_EXHAUSTED" and any(m in message for m in _TOO_LARGE)
-                retryable = not too_large and (status in _RETRYABLE or any(m in message for m in _STAGE_RESTARTING))
-                if not (retryable and idempotent) or attempt == self.retries:
+                retryable = no_visit or (not too_large and (status in _RETRYABLE or any(m in message for m in _STAGE_RESTARTING)))
+                pause = 0.0 if no_visit else self._jitter.uniform(0.0, min(self.max_backoff_s, self.backoff_s * 2**attempt))
+                left = deadline - time.monotonic() - pause
+                if not (retryable and (idempotent or no_visit)) or left <= 0 or (self.retries is not None and attempt >= self.retries):
                     state.visit = False
+                    if no_visit:
+                        raise RecommenderError("UNAVAILABLE", "the server kept refusing to start a visit", session_id)
                     if status == "NOT_FOUND":
                         raise SessionLost(status, message, session_id) from None
                     raise RecommenderError(status, message, session_id) from None
-                self.retried += 1
-                start = True  # the visit may have ended with the failure
-                time.sleep(min(self.backoff_s * (2**attempt), 2.0))
-        else:  # every attempt was a visit restart
-            raise RecommenderError("UNAVAILABLE", "the server kept refusing to start a visit", session_id)
+                if no_visit:
+                    self.visits_restarted += 1
+                else:
+                    self.retried += 1
+                    time.sleep(pause)
+                start = True  # a new visit: the old one may have ended with the failure
+                attempt, timeout_s = attempt + 1, min(self.timeout_s, left)
         latency_ms = (time.perf_counter() - t0) * 1e3
         state.visit = not end
         state.count = int(result.as_numpy(P.EVENT_COUNT.name).reshape(-1)[0])
