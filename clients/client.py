@@ -62,9 +62,9 @@ _NO_VISIT = "must specify the START flag"
 # makes the server apply each event once.
 _RETRYABLE = {"UNAVAILABLE", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED", "CANCELLED"}
 _STAGE_RESTARTING = ("not healthy", "Stub process", "is not ready", "unavailable", "failed to connect", "Socket closed")
-# RESOURCE_EXHAUSTED from gRPC's own size limits (a message, or its metadata, over the limit): the
-# request itself is too large, and sent again it fails again
-_TOO_LARGE = ("larger than max", "exceeds limit", "too large")
+# RESOURCE_EXHAUSTED from gRPC's own size limits ("Sent message larger than max", "received metadata size
+# exceeds hard limit"): the same request, sent again, meets the same limit
+_TOO_LARGE = ("larger than max", "size exceeds", "too large")
 
 _OUTPUTS = (P.RECOMMENDED_IDS, P.RANK_SCORES, P.RETRIEVAL_LOG_PROBS, P.SEMANTIC_IDS, P.HISTORY_LENGTH, P.TRUNCATED,
             P.EVENT_COUNT, P.RESTORED)
