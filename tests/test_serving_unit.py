@@ -202,6 +202,80 @@ def test_error_codes():
         assert error_code(status, Codes) == "invalid"
 
 
+# ------------------------------------------------------------------------------ session ids
+def test_an_integer_id_is_its_signed_int64_in_every_form():
+    # Triton hands the model a negative id as uint64; the client sends an id >= 2**63 as the int64 it wraps to
+    assert P.session_key(-5) == P.session_key((1 << 64) - 5) == P.session_key(np.uint64((1 << 64) - 5)) == "i:-5"
+    assert P.session_key(42) == "i:42" and P.session_key("42") == "s:42"  # integer and string ids never collide
+    assert P.session_key("nulrX\0x") != P.session_key("nulrX")  # a string is kept whole
+    assert P.parse_session_id("-5") == -5 and P.parse_session_id("42", string=True) == "42"
+    assert [P.parse_session_id(t) for t in ("u-1", "--5", "5-", "\u0663")] == ["u-1", "--5", "5-", "\u0663"]
+
+
+def test_the_balancer_header_is_ascii_and_tells_every_id_apart():
+    ids = ["ü-1", "u-1", "a%b", "a%25b", "a b", "42", 42, -5, "i:-5", "s:x", "x" * 128, "\u4e2d\u6587"]
+    values = [P.session_header(i) for i in ids]
+    assert len(set(values)) == len(ids)  # unambiguous
+    assert all(v.isascii() and v.isprintable() for v in values)  # what gRPC metadata carries
+    assert P.session_header("ü-1") == "s:%C3%BC-1" and P.session_header((1 << 64) - 5) == "i:-5"
+
+
+def test_a_session_id_that_cannot_travel_whole_is_refused_by_the_client():
+    from clients.client import wire_session_id
+
+    # Triton's Python backend hands the model a string id up to its first NUL: "nulrX\0x" would be "nulrX"'s session
+    with pytest.raises(ValueError, match="NUL"):
+        wire_session_id("nulrX\0x")
+    # Triton's limit is 128 bytes of UTF-8: 65 characters of "ü" are 130
+    with pytest.raises(ValueError, match="at most 128 bytes in UTF-8.*got 130 bytes"):
+        wire_session_id("ü" * 65)
+    with pytest.raises(ValueError, match="at most 128 bytes"):
+        wire_session_id("x" * 129)
+    assert wire_session_id("ü" * 64) == "ü" * 64 and wire_session_id((1 << 64) - 5) == -5
+    with pytest.raises(ValueError) as e:  # the message shows a prefix of the id, not all of it
+        wire_session_id("y" * 1_000_000)
+    assert len(str(e.value)) < 300 and "1000000 characters" in str(e.value)
+
+
+def test_the_client_sends_the_encoded_header_and_does_not_resend_what_grpc_found_too_large():
+    from tritonclient.utils import InferenceServerException
+
+    from clients.client import RecommenderClient, RecommenderError
+
+    sent = []
+
+    def infer(model, inputs, **kw):  # gRPC's answer to a response whose metadata is over its limit
+        sent.append(kw["headers"][P.SESSION_HEADER])
+        raise InferenceServerException("Stream removed (received metadata size exceeds hard limit (value length "
+                                       "1048631 vs. 16384))", status="StatusCode.RESOURCE_EXHAUSTED")
+
+    with RecommenderClient("127.0.0.1:1") as c:
+        c._client.infer = infer
+        with pytest.raises(RecommenderError, match="RESOURCE_EXHAUSTED"):
+            c.recommend("ü-1")
+        assert sent == ["s:%C3%BC-1"] and c.retried == 0
+
+
+def test_a_tagged_status_is_read_back_only_where_triton_puts_it():
+    message = P.tagged_message(P.FAILED_PRECONDITION, "session 'a': EVENTS_BEFORE is 5 but the server holds 2 events")
+    assert P.status_of(P.INVALID_ARGUMENT, "in ensemble 'recommend', " + message) == P.FAILED_PRECONDITION
+    assert P.tagged_message(P.INVALID_ARGUMENT, "bad") == "bad" and P.status_of(P.INVALID_ARGUMENT, "bad") == P.INVALID_ARGUMENT
+
+
+# ------------------------------------------------------------------------------ request values in messages
+def test_a_huge_request_value_gives_a_short_message():
+    from backend_src.serving.validation import decode_strings, preview
+
+    huge = "m" * (1 << 20)
+    with pytest.raises(RequestError) as e:
+        parse_options({"DECODE_MODE": np.array([[huge.encode()]], dtype=object)}, DecodeOptions(), 10, LIMITS)
+    assert len(e.value.message) < 300 and f"({1 << 20} characters)" in e.value.message
+    with pytest.raises(RequestError) as e:
+        decode_strings(np.array([[b"\xff" * (1 << 20)]], dtype=object), "ITEM_IDS")
+    assert len(e.value.message) < 300 and f"({1 << 20} bytes)" in e.value.message
+    assert preview("short") == "'short'" and len(preview(list(range(10**5)))) < 100
+
+
 def test_options_defaults_and_ranges():
     d = DecodeOptions(mode="pfa", beam_width=16, k=32, r=0.5, selection_step=1)
     top_k, o = parse_options({}, d, 10, LIMITS)

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.server
 grpcclient = pytest.importorskip("tritonclient.grpc")
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
-from clients.client import RecommenderClient  # noqa: E402
+from clients.client import RecommenderClient, RecommenderError  # noqa: E402
 from serving_helpers import build_tiny_checkpoint, require_tritonserver  # noqa: E402
 
 NUM_ITEMS = 60
@@ -146,6 +146,10 @@ def test_each_event_is_applied_once_and_a_gap_is_refused(served):
     with pytest.raises(InferenceServerException) as e:  # a gap: events 4..6 were never sent
         _raw(client, "once-1", items[5:6], ts[5:6], before=5)
     assert e.value.status() == "StatusCode.INVALID_ARGUMENT" and "holds 4 events" in e.value.message()
+    # Triton has no FAILED_PRECONDITION code: the stage's status travels tagged, and the client library reads it
+    from clients.client import _status_name
+
+    assert _status_name(e.value) == P.FAILED_PRECONDITION
     with pytest.raises(InferenceServerException):  # a refused END changes nothing
         _raw(client, "once-1", ["no-such-item"], [10**6], before=4, end=True)
     r = _raw(client, "once-1", items[4:6], ts[4:6], before=4, start=True, end=True)
@@ -314,6 +318,57 @@ def test_a_redis_event_log_shared_by_two_servers(served, monkeypatch):
         finally:
             for s in servers:
                 s.stop(grace_s=10)
+
+
+def test_session_ids_are_kept_whole_and_erased_as_sent(served):
+    """Ids are opaque and kept whole: a non-ASCII id goes through the client library (its balancer header
+    encoded), "42" and 42 are two sessions, an id the transport would cut or Triton refuse is refused by the
+    client naming why, and the deletion command erases a negative id's session."""
+    from backend_src.serving.event_log.cli import main as event_log_cli
+    from clients.client import SessionLost
+
+    url, repo = served["server"].grpc_url, served["repo"]
+    items, actions, ts = events(40, 4)
+    with RecommenderClient(url) as c:
+        assert c.open_session("ü-1", items[:2], actions[:2], ts[:2], **OPTS).event_count == 2
+        assert c.append("ü-1", items[2:3], actions[2:3], ts[2:3], **OPTS).event_count == 3
+        assert logged(repo, "ü-1").count == 3
+        assert c.open_session("42", items[:1], actions[:1], ts[:1], **OPTS).event_count == 1
+        assert c.open_session(42, items[:2], actions[:2], ts[:2], **OPTS).event_count == 2
+        assert logged(repo, "42").count == 1
+        # Triton's Python backend would hand the model "nulrX\0x" as "nulrX": two users, one session
+        assert c.open_session("nulrX", items[:2], actions[:2], ts[:2], **OPTS).event_count == 2
+        with pytest.raises(ValueError, match="NUL"):
+            c.open_session("nulrX\0x", items[:3], actions[:3], ts[:3], **OPTS)
+        assert logged(repo, "nulrX").count == 2
+        with pytest.raises(ValueError, match="at most 128 bytes in UTF-8"):  # Triton: UNIMPLEMENTED
+            c.open_session("ü" * 65, items[:1], actions[:1], ts[:1], **OPTS)
+        assert c.open_session(-5, items[:2], actions[:2], ts[:2], **OPTS).event_count == 2
+        assert c.close_session(-5)
+    log = str(repo.parent / f"{repo.name}-events" / "events.sqlite3")
+    assert event_log_cli(["delete", "--log", log, "--session", "-5"]) == 0
+    assert event_log_cli(["delete", "--log", log, "--session-string", "42"]) == 0
+    with RecommenderClient(url) as c:
+        with pytest.raises(SessionLost):
+            c.resume(-5, **OPTS)
+        with pytest.raises(SessionLost):
+            c.resume("42", **OPTS)
+        assert c.resume(42, **OPTS).event_count == 2  # the integer id's session stays
+
+
+def test_a_huge_request_value_is_refused_with_a_short_message(served):
+    """A 1 MB item id or option value: INVALID_ARGUMENT naming a prefix and the length, not the value echoed
+    past gRPC's metadata limit (RESOURCE_EXHAUSTED, retried)."""
+    items, actions, ts = events(41, 2)
+    with RecommenderClient(served["server"].grpc_url) as c:
+        with pytest.raises(RecommenderError) as e:
+            c.open_session("huge-1", ["x" * (1 << 20)], [1], [ts[0]], **OPTS)
+        assert e.value.status == "INVALID_ARGUMENT" and "unknown item ids" in e.value.message
+        assert len(e.value.message.encode()) < 300 and f"({1 << 20} characters)" in e.value.message
+        with pytest.raises(RecommenderError) as e:
+            c.open_session("huge-1", items, actions, ts, mode="m" * (1 << 20), **OPTS)
+        assert e.value.status == "INVALID_ARGUMENT" and len(e.value.message.encode()) < 300
+        assert c.retried == 0
 
 
 def test_more_open_visits_than_slots_wait_at_most_the_visit_idle_time(served, tmp_path):
