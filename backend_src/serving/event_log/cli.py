@@ -11,9 +11,8 @@ _UINT64 = 1 << 64
 
 
 def stored_keys(session_id) -> list:
-    """Every key the server has stored the session under: its key (protocol.session_key) and, for a
-    negative integer id, the unsigned form Triton hands the model (-5 as 2**64 - 5), the key such a
-    session was logged under before session_key read every integer id as signed."""
+    """Every key the session may be stored under: its key (protocol.session_key) and, for a negative
+    integer id, the key of the unsigned form Triton hands the model (-5 as 2**64 - 5)."""
     key = P.session_key(session_id)
     sid = P.canonical_session_id(session_id)
     return [key, f"i:{sid + _UINT64}"] if isinstance(sid, int) and sid < 0 else [key]
