@@ -335,6 +335,9 @@ class RecommenderClient:
                 if resend is None or resent == self.conflict_retries:
                     raise
                 skip, events_before = resend
+                # the count as the server named it: a call sent again after this one failed claims the positions
+                # its events were re-sent to, where they may have landed, and is then answered as their retry
+                self._state(session_id).count = events_before
                 self.conflicts_resolved += 1
                 items, actions, timestamps = items[skip:], actions[skip:], timestamps[skip:]
                 inputs, _, _ = event_inputs(items, actions, timestamps)
