@@ -2,9 +2,11 @@
 one Redis event log, nginx hashing the session header. Sessions stay on one replica, carry on
 when a replica dies and when it comes back, and a new version rolls out replica by replica.
 """
+import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -110,8 +112,6 @@ def test_a_new_version_rolls_out_replica_by_replica(cluster):
 def test_cluster_command_starts_and_stops(cluster):
     from backend_src.serving.processes import alive
 
-    import json
-
     tmp = cluster["tmp"]
     run = lambda *a: subprocess.run([sys.executable, "-m", "backend_src.serving.cluster", *a, "--dir", str(tmp / "cli")],  # noqa: E731
                                     capture_output=True, text=True, timeout=300)
@@ -136,9 +136,70 @@ def test_cluster_command_starts_and_stops(cluster):
         meta = grpcclient.InferenceServerClient(state["replicas"][0]["grpc"])
         assert meta.get_model_metadata("history_encoder").versions == [str(newest)]
         meta.close()
+        killed = _kill_replica_server_and_wait_healed(state, port, run)
     finally:
+        groups = _process_groups(state, tmp / "cli")
         t0 = time.monotonic()
         r = run("stop")
     assert r.returncode == 0 and time.monotonic() - t0 < 30
-    pids = [state["balancer"]["pid"], state["redis"]["pid"]] + [x["pid"] for x in state["replicas"]]
+    pids = [state["balancer"]["pid"], state["redis"]["pid"]] + [x["pid"] for x in state["replicas"]] + killed
     assert not any(alive(p) for p in pids)
+    left = _members(groups | _process_groups(state, tmp / "cli"))
+    assert not left, f"processes of the cluster outlived `cluster stop`: {left}"
+
+
+HEAL_BOUND_S = 90.0  # a replica's server killed -> it serves again (a full start: models load again)
+
+
+def _members(groups: set) -> dict:
+    """{pid: command name} of the live processes in any of these process groups."""
+    from backend_src.serving.stub_processes import process_stat
+
+    out = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            st = process_stat(int(entry.name))
+            if st is not None and st[3] in groups and st[1] != "Z":
+                out[int(entry.name)] = st[0]
+    return out
+
+
+def _process_groups(state: dict, run_dir: Path) -> set:
+    """The process groups of everything the cluster runs: nginx (and its workers), Redis, and per
+    replica its watchdog's keeper (and the watchdog) and each of its servers (and their stubs)."""
+    groups = {state["balancer"]["pid"], state["redis"]["pid"]}
+    for i, r in enumerate(state["replicas"]):
+        groups |= {r["pid"], r["watchdog_pid"]}
+        pid_file = run_dir / f"replica{i}.pid"
+        if pid_file.exists():
+            now = json.loads(pid_file.read_text())
+            groups |= {now["pid"], now["watchdog_pid"]}
+    return {g for g in groups if g}
+
+
+def _kill_replica_server_and_wait_healed(state: dict, port: int, run) -> list:
+    """SIGKILL replica 0's tritonserver alone (its stubs live on): its watchdog starts it again,
+    `cluster status` says every replica is alive, and a session is served through the balancer."""
+    import os
+    import signal
+
+    from backend_src.serving.processes import http_json
+    from backend_src.serving.stub_processes import group_members
+
+    old = state["replicas"][0]["pid"]
+    os.kill(old, signal.SIGKILL)
+    killed_at = time.monotonic()
+    while True:
+        elapsed = time.monotonic() - killed_at
+        r = run("status")
+        now = json.loads(r.stdout)["replicas"][0]["pid"] if r.stdout.strip().startswith("{") else old
+        if r.returncode == 0 and now != old and http_json(state["replicas"][0]["ready_url"] + "/ready")[0] == 200:
+            break
+        assert elapsed < HEAL_BOUND_S, r.stdout[-2000:]
+        time.sleep(1.0)
+    with RecommenderClient(f"127.0.0.1:{port}") as client:
+        items, actions, ts = events(98, 3)
+        assert client.open_session("cli-healed", items, actions, ts, top_k=5).event_count == 3
+    print(f"replica's server killed: serving again {time.monotonic() - killed_at:.1f} s later")
+    assert not group_members(old), "the killed server's stubs run on"
+    return [old]

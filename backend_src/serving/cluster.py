@@ -18,8 +18,11 @@ another replica only when the chosen one cannot be reached (``grpc_next_upstream
 and takes a replica out for ``fail_timeout`` after a failure. Requests in flight on a replica that
 dies fail; the client library sends them again (each event is applied once).
 
-Each replica runs with its own stub watchdog; model control needs the admin key (shared by
-the replicas, in ``<dir>/admin.key``). Everything listens on 127.0.0.1.
+Each replica runs with its own stub watchdog, which also starts the replica's server again when it
+dies (as a single server's does; its pid file ``<dir>/replicaN.pid`` follows). ``stop`` ends
+everything the cluster runs: each replica's watchdog, its server (the one running now) and what is
+left of the server's process group (its stubs), nginx and its workers, Redis. Model control needs
+the admin key (shared by the replicas, in ``<dir>/admin.key``). Everything listens on 127.0.0.1.
 """
 from __future__ import annotations
 
@@ -37,8 +40,9 @@ from pathlib import Path
 from genrec_contract.protocol import SESSION_HEADER
 from backend_src.serving.redis_server import RedisServer, redis_server_binary
 from backend_src.serving.access import ensure_admin_key
-from backend_src.serving.processes import alive, free_port, terminate
+from backend_src.serving.processes import alive, free_port, launch_file, read_pid_file, terminate
 from backend_src.serving.server import TritonServer
+from backend_src.serving.stub_processes import end_group
 
 DEFAULT_DIR = Path("runs") / "cluster"
 STATE_FILE = "cluster.json"  # in the cluster's folder: what `start` left running, for the later commands
@@ -177,7 +181,8 @@ class LocalCluster:
     def _replica(self, i: int) -> TritonServer:
         return TritonServer(self.repository, free_port(), free_port(), free_port(), log_file=self.dir / f"replica{i}.log",
                             exit_timeout_s=self.exit_timeout_s, admin_key=self.admin_key, event_log=self.redis.url,
-                            watchdog=self.watchdog, ready_port=free_port() if self.watchdog else None)
+                            watchdog=self.watchdog, ready_port=free_port() if self.watchdog else None,
+                            pid_file=self.dir / f"replica{i}.pid", restart=self.watchdog)
 
     def start(self, timeout_s: float = 240.0) -> "LocalCluster":
         if redis_server_binary() is None:
@@ -241,7 +246,8 @@ class LocalCluster:
             "redis": {"url": self.redis.url, "pid": self.redis.pid},
             "balancer": {"pid": self.balancer.pid, "conf": str(self.balancer.conf)},
             "replicas": [{"grpc": r.grpc_url, "http": r.http_url, "metrics_port": r.metrics_port, "pid": r.pid,
-                          "watchdog_pid": r.watchdog_pid} for r in self.replicas],
+                          "watchdog_pid": r.watchdog_pid, "ready_url": r.ready_url if r.watchdog else None,
+                          "pid_file": str(r.pid_file) if r.pid_file else None} for r in self.replicas],
         }
 
 
@@ -254,15 +260,32 @@ def read_state(workdir=DEFAULT_DIR) -> dict | None:
         return None
 
 
+def current_replicas(state: dict) -> list:
+    """The state's replicas with the pids their pid files hold now (a watchdog that started a
+    replica's server again wrote the new pid there)."""
+    out = []
+    for r in state["replicas"]:
+        now = read_pid_file(r["pid_file"]) if r.get("pid_file") else None
+        out.append({**r, **{k: now[k] for k in ("pid", "watchdog_pid") if now and now.get(k)}, "first_pid": r["pid"]})
+    return out
+
+
 def _stop_from_state(state: dict) -> None:
     pid = state["balancer"]["pid"]
     if pid and alive(pid):
         os.kill(pid, signal.SIGQUIT)
         _wait_gone(pid, 10)
-    for r in state["replicas"]:
-        for key in ("watchdog_pid", "pid"):
+    if pid:
+        end_group(pid, ("nginx",))  # workers a killed master left
+    for r in current_replicas(state):
+        for key in ("watchdog_pid", "pid"):  # the watchdog first, so it does not start the server again
             if r.get(key) and alive(r[key]):
                 terminate(r[key], 15.0)
+        for server in {r["first_pid"], r["pid"]}:  # stubs of this server and of one killed before it
+            end_group(server)
+        if r.get("pid_file"):
+            Path(r["pid_file"]).unlink(missing_ok=True)
+            launch_file(r["pid_file"]).unlink(missing_ok=True)
     pid = state["redis"]["pid"]
     if pid and alive(pid):
         terminate(pid, 10.0)
@@ -307,9 +330,10 @@ def main(argv=None) -> int:
         print("no cluster running (no state file)")
         return 0 if a.action == "stop" else 3
     if a.action == "status":
+        replicas = current_replicas(state)
         up = {"balancer": alive(state["balancer"]["pid"]), "redis": alive(state["redis"]["pid"]),
-              "replicas": [alive(r["pid"]) for r in state["replicas"]]}
-        print(json.dumps({**state, "alive": up}, indent=2))
+              "replicas": [alive(r["pid"]) for r in replicas]}
+        print(json.dumps({**state, "replicas": replicas, "alive": up}, indent=2))
         return 0 if up["balancer"] and up["redis"] and all(up["replicas"]) else 3
     _stop_from_state(state)
     state_file.unlink()

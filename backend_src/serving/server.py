@@ -21,9 +21,11 @@ import time
 from pathlib import Path
 
 from backend_src.serving.access import ADMIN_KEY_ENV, check_admin_key, restricted_api_flags
+from backend_src.serving.log_probe import checkpoint, served_event_log, sqlite_file
 from backend_src.serving.processes import (
     free_port, http_ok, is_process, launch, launch_file, read_pid_file, terminate, update_pid_file, write_launch_file,
 )
+from backend_src.serving.stub_processes import end_group
 
 DEFAULT_PID_FILE = Path("runs") / "tritonserver.pid"
 DEFAULT_LOG_FILE = Path("runs") / "tritonserver.log"
@@ -152,6 +154,7 @@ class TritonServer:
         self.pid: int | None = None
         self.watchdog_process: subprocess.Popen | None = None
         self.watchdog_pid: int | None = None
+        self.event_log_file: str | None = None  # a SQLite log's file, checkpointed once the server has stopped
 
     # ---- command ------------------------------------------------------------------------
     def command(self) -> list:
@@ -203,6 +206,7 @@ class TritonServer:
             f"--log-file={self.watchdog_log_file}",
             f"--interval={self.watchdog_interval_s}",
             f"--probe-interval={self.watchdog_probe_interval_s}",
+            f"--model-repository={self.model_repository}",
             "--keep",
         ] + ([f"--restart-from={launch_file(self.pid_file)}", f"--pid-file={self.pid_file}"] if self.restart else [])
 
@@ -216,7 +220,7 @@ class TritonServer:
         return {
             "pid": self.pid, "watchdog_pid": self.watchdog_pid, "address": self.address, "grpc": self.grpc_port,
             "http": self.http_port, "metrics": self.metrics_port, "ready_port": self.ready_port,
-            "log": str(self.log_file), "restart": self.restart,
+            "log": str(self.log_file), "restart": self.restart, "event_log_file": self.event_log_file,
         }
 
     def start(self, timeout_s: float = 120.0) -> "TritonServer":
@@ -226,6 +230,8 @@ class TritonServer:
         self.process = launch(argv, env, self.log_file)
         self.pid = self.process.pid  # the exec keeps the pid: this is tritonserver's
         self.wait_ready(timeout_s)
+        url = self.event_log or served_event_log(self.grpc_url, self.model_repository)
+        self.event_log_file = str(Path(sqlite_file(url)).resolve()) if sqlite_file(url) else None
         if self.pid_file:
             self.pid_file.parent.mkdir(parents=True, exist_ok=True)
             update_pid_file(self.pid_file, **self.info())
@@ -244,6 +250,8 @@ class TritonServer:
         root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         env.pop(ADMIN_KEY_ENV, None)
+        if self.event_log:  # the log its probe checks: the server's
+            env[EVENT_LOG_ENV] = self.event_log
         if self.admin_key:  # in its environment, not on its command line
             env[ADMIN_KEY_ENV] = self.admin_key
         log = open(self.watchdog_log_file, "ab")
@@ -291,12 +299,17 @@ class TritonServer:
             code = terminate(self.process.pid, grace_s, self.process)[0]
         elif self.pid is not None:
             code = terminate(self.pid, grace_s)[0]
+        servers = [self.pid] if self.pid is not None else []
         if self.pid_file:
             current = (read_pid_file(self.pid_file) or {}).get("pid")
             if current and current != self.pid and is_process(int(current), SERVER_MARKER):
                 code = terminate(int(current), grace_s)[0]  # the watchdog restarted it
+            servers += [int(current)] if current else []
             self.pid_file.unlink(missing_ok=True)
             launch_file(self.pid_file).unlink(missing_ok=True)
+        for pid in servers:  # stubs a server killed after its grace left behind
+            end_group(pid)
+        checkpoint(self.event_log_file)
         return code
 
     def stop_watchdog(self) -> None:

@@ -14,7 +14,8 @@ process of its own: it reloads a model whose Python stub died and serves ``GET /
 ``GET /live`` on ``--ready-port``, and starts tritonserver again, the same way, when it exits
 by any other way than ``stop`` (a crash); a keeper process starts the watchdog itself again
 when it dies. ``start`` on a running server whose watchdog is gone starts only the watchdog.
-``stop`` stops the watchdog, then the server.
+``stop`` stops the watchdog, then the server, ends what is left of the server's process group (its
+stubs), and checkpoints a SQLite event log's WAL into its main file.
 """
 from __future__ import annotations
 
@@ -27,11 +28,13 @@ from pathlib import Path
 
 from backend_src.serving.access import ADMIN_KEY_ENV, ensure_admin_key, read_admin_key
 from backend_src.serving.health import heal
+from backend_src.serving.log_probe import checkpoint
 from backend_src.serving.processes import http_json, http_ok, is_process, launch_file, read_pid_file, terminate, update_pid_file
 from backend_src.serving.server import (
     DEFAULT_ADDRESS, DEFAULT_EXIT_TIMEOUT_S, DEFAULT_LOG_FILE, DEFAULT_PID_FILE, DEFAULT_READY_PORT, SERVER_MARKER,
     WATCHDOG_MARKER, TritonServer,
 )
+from backend_src.serving.stub_processes import end_group
 
 
 def start_missing_watchdog(info: dict, pid_file: Path, model_repository, key_from_env: bool) -> int:
@@ -163,6 +166,8 @@ def main(argv=None) -> int:
         print(f"stopped pid {pid} by {how} in {time.monotonic() - t0:.1f} s")
     else:
         print(f"pid {pid} was not running")
+    end_group(pid)  # stubs a server killed after its grace left behind
+    checkpoint(info.get("event_log_file"))  # every event in the log's main file
     pid_file.unlink(missing_ok=True)
     launch_file(pid_file).unlink(missing_ok=True)
     return 0

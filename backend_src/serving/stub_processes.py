@@ -3,10 +3,16 @@
 The Python backend runs each model instance as a child process of tritonserver
 (``triton_python_backend_stub <repository>/<model>/<version>/model.py ...``); the watchdog
 counts them per model against the instances the model's config asks for.
+
+They stay in the server's process group (the server leads a group of its own) after the server is
+gone: a stub whose server was killed runs on until something ends it, so whoever stops or restarts
+a server ends what is left of its group (``end_group``).
 """
 from __future__ import annotations
 
 import os
+import signal
+import time
 from pathlib import Path
 
 STUB_COMM = "triton_python_b"  # the kernel keeps 15 characters of triton_python_backend_stub
@@ -14,15 +20,15 @@ STUB_NAME = "triton_python_backend_stub"
 
 
 def process_stat(pid: int) -> tuple | None:
-    """(comm, state, ppid) of a process, or None when it is gone."""
+    """(comm, state, ppid, pgrp) of a process, or None when it is gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             text = f.read()
     except OSError:
         return None
     comm = text[text.index("(") + 1 : text.rindex(")")]
-    state, ppid = text[text.rindex(")") + 2 :].split()[:2]
-    return comm, state, int(ppid)
+    state, ppid, pgrp = text[text.rindex(")") + 2 :].split()[:3]
+    return comm, state, int(ppid), int(pgrp)
 
 
 def child_pids(pid: int) -> list:
@@ -81,3 +87,33 @@ def instance_count(config: dict) -> int:
         gpus = group.get("gpus") or []
         n += count * (len(gpus) if group.get("kind") == "KIND_GPU" and gpus else 1)
     return max(n, 1)
+
+
+def group_members(pgid: int, comms=(STUB_COMM, "tritonserver")) -> list:
+    """Live processes of process group `pgid` whose command name is one of `comms` (a group id
+    outlives its leader while members are left)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            st = process_stat(int(entry))
+            if st is not None and st[3] == pgid and st[1] != "Z" and st[0] in comms:
+                out.append(int(entry))
+    return out
+
+
+def end_group(pgid: int, comms=(STUB_COMM, "tritonserver"), timeout_s: float = 5.0) -> list:
+    """SIGKILL what is left of process group `pgid` (processes named in `comms`: a stopped or
+    killed server's stubs) and wait until they are gone; returns their pids."""
+    left = group_members(pgid, comms)
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + timeout_s
+    while left and time.monotonic() < deadline:
+        st = [process_stat(pid) for pid in left]
+        if all(x is None or x[1] == "Z" for x in st):
+            break
+        time.sleep(0.05)
+    return left

@@ -34,9 +34,12 @@ dies of anything but a stop. The new watchdog reads the server's pid from the pi
 follows a restart. Stub processes are read from /proc (`serving/stub_processes.py`).
 
 Readiness (HTTP on --address:--ready-port): GET /ready answers 200 only when tritonserver is
-ready (and not being started again), every model is ready and every Python stage has all its
-stubs alive and is not being reloaded, else 503 with a JSON body naming the dead stages; GET /live answers 200 while
-tritonserver answers its own liveness. It exits on SIGTERM.
+ready (and not being started again), every model is ready, every Python stage has all its
+stubs alive and is not being reloaded, and the event log takes writes (``serving/log_probe.py``:
+a write and read of a reserved key every --log-probe-interval seconds, of the log the server
+writes: GENREC_EVENT_LOG, else the encoder config's event_log, else the SQLite file beside
+--model-repository), else 503 with a JSON body naming the dead stages and the log's error;
+GET /live answers 200 while tritonserver answers its own liveness. It exits on SIGTERM.
 """
 from __future__ import annotations
 
@@ -53,9 +56,11 @@ from pathlib import Path
 
 from genrec_contract import protocol as P
 from backend_src.serving.access import ADMIN_KEY_ENV
+from backend_src.serving.event_log import EVENT_LOG_ENV
 from backend_src.serving.health import reload_model, unhealthy_models
+from backend_src.serving.log_probe import LogProbe, served_event_log
 from backend_src.serving.processes import alive, http_ok, launch, read_pid_file, terminate, update_pid_file
-from backend_src.serving.stub_processes import STUB_COMM, instance_count, process_stat, stub_processes
+from backend_src.serving.stub_processes import STUB_COMM, end_group, instance_count, process_stat, stub_processes
 from backend_src.serving.watchdog_keeper import keep
 
 log = logging.getLogger("genrec.watchdog")
@@ -98,6 +103,7 @@ class Watchdog:
         self.healed: list = []  # (model, seconds from detection to reloaded)
         self.stop_event = threading.Event()
         self._client = None
+        self.log_probe: LogProbe | None = None  # whether the event log takes writes (main() starts it)
 
     # ---- what the server should have ---------------------------------------------------------
     def client(self):
@@ -243,6 +249,9 @@ class Watchdog:
         log.error("tritonserver (pid %d) is gone%s; starting it again%s", old,
                   f" (exit status {code})" if code is not None else "", f" in {delay:.0f} s" if delay else "")
         self.end_orphaned_stubs()
+        ended = end_group(old)  # stubs not seen yet (a server killed soon after its start), by their group
+        if ended:
+            log.warning("ended %d more processes of the dead server's group: %s", len(ended), ended)
         if self.stop_event.wait(delay):
             return
         spec = json.loads(Path(self.restart_from).read_text())
@@ -302,7 +311,8 @@ class Watchdog:
         for model, why in self.deficits(stub_processes(self.server_pid, self.known), self.expected).items():
             dead.setdefault(model, why)
         not_ready = [m for m in P.ALL_MODELS if not http_ok(f"http://{self.http_url}/v2/models/{m}/ready")]
-        ready = server_ready and not dead and not not_ready and not self.restarting
+        log_ok, log_state = self.log_probe.state() if self.log_probe is not None else (True, None)
+        ready = server_ready and not dead and not not_ready and not self.restarting and log_ok
         return ready, {
             "ready": ready,
             "server_ready": server_ready,
@@ -311,6 +321,7 @@ class Watchdog:
             "dead": sorted(dead),
             "why": dead,
             "models_not_ready": not_ready,
+            "event_log": log_state,
         }
 
     def liveness(self) -> tuple:
@@ -361,6 +372,10 @@ def main(argv=None) -> int:
     ap.add_argument("--pid-file", default=None,
                     help="pid file whose pid a restart updates (needed with --restart-from); read for the server's pid")
     ap.add_argument("--keep", action="store_true", help="run the watchdog as a child and start it again when it dies")
+    ap.add_argument("--model-repository", default=None,
+                    help="the server's repository: its event log, when neither GENREC_EVENT_LOG nor the config names one")
+    ap.add_argument("--log-probe-interval", type=float, default=2.0,
+                    help="seconds between probes of the event log for /ready (0: none)")
     argv = sys.argv[1:] if argv is None else list(argv)
     a = ap.parse_args(argv)
     if a.restart_from and not a.pid_file:
@@ -382,6 +397,17 @@ def main(argv=None) -> int:
         log.info("no admin key: reloads work only on a server that leaves model loading open")
     signal.signal(signal.SIGTERM, lambda *_: wd.stop_event.set())
     signal.signal(signal.SIGINT, lambda *_: wd.stop_event.set())
+    if a.log_probe_interval > 0 and (a.model_repository or os.environ.get(EVENT_LOG_ENV)):
+        url: list = []  # resolved once, then kept
+
+        def log_url():
+            if not url:
+                found = served_event_log(a.grpc_url, a.model_repository or ".")
+                if found is not None:
+                    url.append(found)
+            return url[0] if url else None
+
+        wd.log_probe = LogProbe(log_url, a.log_probe_interval).start()
     httpd = wd.serve(a.address, a.ready_port)
     log.info("watching tritonserver pid %d (gRPC %s); readiness on http://%s:%d/ready; %s",
              server_pid, a.grpc_url, a.address, a.ready_port,

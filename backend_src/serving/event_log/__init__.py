@@ -56,6 +56,7 @@ interface in ``base``; this package exposes their public names. The command line
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Optional
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
@@ -69,7 +70,8 @@ from backend_src.serving.event_log.sqlite_log import SQLiteEventLog
 
 __all__ = [
     "DEFAULT_REDIS_PREFIX", "DEFAULT_RETAIN_EVENTS", "DURABILITY", "WRITE_ASIDE_EVENTS", "EventLog", "EventLogDamaged", "EventLogUnavailable",
-    "EventRange", "LogConflict", "MemoryEventLog", "RedisEventLog", "SQLiteEventLog", "UserLog", "open_event_log",
+    "EventRange", "EVENT_LOG_ENV", "LogConflict", "MemoryEventLog", "RedisEventLog", "SQLiteEventLog", "UserLog", "open_event_log",
+    "served_log_url",
 ]
 
 
@@ -105,6 +107,20 @@ def _split_redis_url(url: str):
         else:
             rest.append((key, value))
     return urlunsplit(parts._replace(query=urlencode(rest))), prefix
+
+
+EVENT_LOG_ENV = "GENREC_EVENT_LOG"  # the server's setting of its event log's URL
+
+
+def served_log_url(params, repository) -> str:
+    """The URL of the log a server of `repository` writes: GENREC_EVENT_LOG (the server's setting) >
+    the encoder config's ``event_log`` parameter (`params`: name -> value) > a SQLite file beside the
+    repository, ``<repository>-events/events.sqlite3`` (nothing to start)."""
+    url = os.environ.get(EVENT_LOG_ENV) or (params or {}).get("event_log", "")
+    if url:
+        return str(url)
+    repository = Path(repository).resolve()
+    return str(repository.parent / f"{repository.name}-events" / "events.sqlite3")
 
 
 def open_event_log(url: str, *, retain_events: int = DEFAULT_RETAIN_EVENTS, ttl_s: Optional[float] = None,

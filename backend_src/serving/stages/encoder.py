@@ -23,7 +23,6 @@ changes nothing, END included.
 """
 from __future__ import annotations
 
-import os
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -36,7 +35,9 @@ import torch
 from backend_src.model.hstu import HistoryCache
 from backend_src.model.recommender import GenerativeRecommender
 from backend_src.serving import validation as V
-from backend_src.serving.event_log import WRITE_ASIDE_EVENTS, EventLogDamaged, LogConflict, open_event_log
+from backend_src.serving.event_log import (
+    WRITE_ASIDE_EVENTS, EventLogDamaged, LogConflict, open_event_log, served_log_url,
+)
 from backend_src.serving.session_store import DEFAULT_PREFAULT_BYTES, Session, SessionStore, prefault_heap
 from backend_src.serving.stages.messages import END, INTERNAL, START, StageRequest, StageResponse, as_array
 from backend_src.serving.stages.session_metrics import SessionMetrics
@@ -47,12 +48,8 @@ LOG_SWEEP_INTERVAL_S = 600.0
 
 def event_log_url(params: Mapping, model_dir: Path) -> str:
     """GENREC_EVENT_LOG (the server's setting) > the config's event_log > a SQLite file beside
-    the model repository (nothing to start)."""
-    url = os.environ.get("GENREC_EVENT_LOG") or params.get("event_log", "")
-    if url:
-        return url
-    repository = Path(model_dir).resolve().parent
-    return str(repository.parent / f"{repository.name}-events" / "events.sqlite3")
+    the model repository (nothing to start): event_log.served_log_url, which the watchdog's probe reads too."""
+    return served_log_url(params, Path(model_dir).resolve().parent)
 
 
 class _Request:
