@@ -337,6 +337,10 @@ def test_encoder_keys_a_negative_id_as_sent_and_the_deletion_command_erases_it(e
     assert '"deleted": true' in capsys.readouterr().out
     assert encoder.log.counts(["i:-5", f"i:{(1 << 64) - 5}"]) == [0, 0]
     assert one(encoder, events_request((1 << 64) - 5, 1, 0)).status == P.NOT_FOUND  # served no more
+    # both forms of the id in one call are one session: its requests in order, not side by side
+    answers = encoder.handle([events_request(-5, 1, 2, before=0, flags=START),
+                              events_request((1 << 64) - 5, 3, 1, before=2, t0=2000)])
+    assert [scalars(a)["count"] for a in answers] == [2, 3]
 
 
 def test_encoder_refuses_huge_values_with_a_short_message(encoder):

@@ -469,7 +469,7 @@ class EncoderStage:
         while pending:  # rounds: a session appears at most once a round, in arrival order
             seen, now, later = set(), [], []
             for i, r in pending:
-                key = r.correlation_id
+                key = P.session_key(r.correlation_id)  # one session whatever form its id took
                 (later if key in seen else now).append((i, r))
                 seen.add(key)
             self._round(now, responses)
