@@ -155,6 +155,7 @@ class TritonServer:
         self.watchdog_process: subprocess.Popen | None = None
         self.watchdog_pid: int | None = None
         self.event_log_file: str | None = None  # a SQLite log's file, checkpointed once the server has stopped
+        self._log_start = 0  # where this start's lines begin in the log file
 
     # ---- command ------------------------------------------------------------------------
     def command(self) -> list:
@@ -227,6 +228,7 @@ class TritonServer:
         install_python_stub(triton_home())
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
         argv, env = self.command(), self.environment()
+        self._log_start = self.log_file.stat().st_size if self.log_file.exists() else 0
         self.process = launch(argv, env, self.log_file)
         self.pid = self.process.pid  # the exec keeps the pid: this is tritonserver's
         self.wait_ready(timeout_s)
@@ -275,12 +277,26 @@ class TritonServer:
         while time.monotonic() < deadline:
             if self.process is not None and self.process.poll() is not None:
                 raise RuntimeError(
-                    f"tritonserver exited with code {self.process.returncode} while starting; log tail:\n{self.log_tail()}"
+                    f"tritonserver exited with code {self.process.returncode} while starting{self.load_failures()}; "
+                    f"log tail:\n{self.log_tail()}"
                 )
             if self.ready():
                 return
             time.sleep(0.2)
         raise TimeoutError(f"tritonserver not ready after {timeout_s:g} s; log tail:\n{self.log_tail()}")
+
+    def load_failures(self) -> str:
+        """The models that failed to load in this start, each with its reason (a stage's own message,
+        e.g. a damaged event log and how to recover), as lines to put before the log's tail."""
+        try:
+            with open(self.log_file, "rb") as f:
+                f.seek(self._log_start)
+                text = f.read().decode(errors="replace")
+        except OSError:
+            return ""
+        found = [line[line.index("failed to load '"):].rstrip('"') for line in text.splitlines()
+                 if "model_lifecycle" in line and "failed to load '" in line]
+        return "".join(f"\n  {x}" for x in dict.fromkeys(found))
 
     def ready(self) -> bool:
         return http_ok(f"http://{self.http_url}/v2/health/ready")
