@@ -1,9 +1,9 @@
 """Whether the event log takes writes: the watchdog's probe, behind ``GET /ready``.
 
 Every ``interval_s`` (2 s) a thread of the watchdog writes one event to a reserved key of the log
-the server writes, reads it back and deletes it. The key is no session's (session keys are
-``i:...`` or ``s:...``), so it is never served, and it is gone after each probe, so it is never
-counted. A probe that fails (a full disk, a read-only or damaged file, Redis out of reach) makes
+the server writes (``replace``: the key holds that one event) and reads it back. The key
+(``event_log.PROBE_KEY``) is no session's (session keys are ``i:...`` or ``s:...``), so it is never
+served, and the log's count of users leaves it out. A probe that fails (a full disk, a read-only or damaged file, Redis out of reach) makes
 /ready answer 503 with the error; the next one that succeeds makes it 200 again. A probe that has
 not finished within ``stale_s`` (a log that hangs) counts as failed.
 
@@ -21,9 +21,8 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from backend_src.serving.event_log import EVENT_LOG_ENV, SQLiteEventLog, open_event_log, served_log_url
+from backend_src.serving.event_log.base import PROBE_KEY
 from backend_src.serving.event_log.redis_log import redact_url
-
-PROBE_KEY = "~probe:readiness"  # no session's key: those begin with "i:" or "s:"
 
 log = logging.getLogger("genrec.watchdog")
 
@@ -99,8 +98,7 @@ class LogProbe:
             try:
                 nonce = f"{time.time_ns()}"
                 event_log.replace(PROBE_KEY, [nonce], [0], [int(time.time())])
-                back = event_log.tail(PROBE_KEY, 1)
-                event_log.delete(PROBE_KEY)
+                back = event_log.tail(PROBE_KEY, 1)  # one write a probe: it takes the write lock once
                 if back.items != [nonce]:
                     raise RuntimeError(f"wrote event {nonce!r} and read back {back.items!r}")
             finally:

@@ -61,17 +61,17 @@ from typing import Optional
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from backend_src.serving.event_log.base import (
-    DEFAULT_REDIS_PREFIX, DEFAULT_RETAIN_EVENTS, DURABILITY, WRITE_ASIDE_EVENTS, EventLog, EventLogDamaged, EventLogUnavailable,
-    EventRange, LogConflict, UserLog,
+    DEFAULT_REDIS_PREFIX, DEFAULT_RETAIN_EVENTS, DURABILITY, PROBE_KEY, WRITE_ASIDE_EVENTS, EventLog, EventLogDamaged,
+    EventLogUnavailable, EventRange, LogConflict, UserLog,
 )
 from backend_src.serving.event_log.memory_log import MemoryEventLog
 from backend_src.serving.event_log.redis_log import RedisEventLog, redact_url
 from backend_src.serving.event_log.sqlite_log import SQLiteEventLog
 
 __all__ = [
-    "DEFAULT_REDIS_PREFIX", "DEFAULT_RETAIN_EVENTS", "DURABILITY", "WRITE_ASIDE_EVENTS", "EventLog", "EventLogDamaged", "EventLogUnavailable",
-    "EventRange", "EVENT_LOG_ENV", "LogConflict", "MemoryEventLog", "RedisEventLog", "SQLiteEventLog", "UserLog", "open_event_log",
-    "served_log_url",
+    "DEFAULT_REDIS_PREFIX", "DEFAULT_RETAIN_EVENTS", "DURABILITY", "EVENT_LOG_ENV", "PROBE_KEY", "WRITE_ASIDE_EVENTS",
+    "EventLog", "EventLogDamaged", "EventLogUnavailable", "EventRange", "LogConflict", "MemoryEventLog", "RedisEventLog",
+    "SQLiteEventLog", "UserLog", "open_event_log", "served_log_url",
 ]
 
 

@@ -13,6 +13,9 @@ DURABILITY = ("full", "normal")
 DEFAULT_RETAIN_EVENTS = 4096
 DEFAULT_REDIS_PREFIX = "eventlog:"
 _INT64 = (-(2**63), 2**63 - 1)
+# The key the watchdog's readiness probe writes and reads (serving/log_probe.py): no session's key
+# (those begin with "i:" or "s:"), so never served; left out of the count of users.
+PROBE_KEY = "~probe:readiness"
 
 
 # A write of this many events or more is worth a thread of its own beside the model's work (an open's

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from backend_src.serving.event_log.base import (
-    DEFAULT_RETAIN_EVENTS, EventLog, EventLogDamaged, EventRange, LogConflict, UserLog,
+    DEFAULT_RETAIN_EVENTS, PROBE_KEY, EventLog, EventLogDamaged, EventRange, LogConflict, UserLog,
 )
 
 _SCHEMA = """
@@ -350,7 +350,7 @@ class SQLiteEventLog(EventLog):
                 return dropped
 
     def stats(self) -> dict:
-        users = self._read(lambda db: db.execute("SELECT COUNT(*) FROM users").fetchone()[0])
+        users = self._read(lambda db: db.execute("SELECT COUNT(*) FROM users WHERE user != ?", (PROBE_KEY,)).fetchone()[0])
         return {"backend": "sqlite", "path": str(self.path), "users": users, "retain_events": self.retain_events,
                 "ttl_s": self.ttl_s, "durability": self.durability}
 
