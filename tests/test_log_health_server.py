@@ -283,3 +283,7 @@ def test_default_retries_outlast_redis_down_for_5_s_and_ready_says_so(on_redis):
         writers.stop()
         redis.start()
     assert writers.failed == [], writers.failed
+    from backend_src.serving.event_log import open_event_log
+
+    with open_event_log(redis.url) as log:
+        assert {sid: log.count(f"s:{sid}") for sid in writers.acked} == writers.acked
