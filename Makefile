@@ -15,7 +15,7 @@ export MALLOC_MMAP_THRESHOLD_ ?= 33554432
 export MALLOC_TRIM_THRESHOLD_ ?= 4294967296
 export MALLOC_TOP_PAD_ ?= 268435456
 
-.PHONY: setup test test-fast demo bench bench-offline bench-served bench-sessions bench-scaleout bench-gpu check-triton36 train-beauty train-beauty-refit train-scientific baselines-beauty train-ml1m ablation-ml1m clean
+.PHONY: setup test test-fast demo bench bench-offline bench-served bench-sessions bench-writers bench-scaleout bench-gpu check-triton36 train-beauty train-beauty-refit train-scientific baselines-beauty train-ml1m ablation-ml1m clean
 
 ## setup: the pinned environment (torch 2.13.0 CPU build, Triton server 2.51 from nvidia-pytriton)
 setup: .venv/.installed
@@ -75,6 +75,11 @@ bench-sessions: setup
 	$(SHARED_CORES) $(PY) -m perf.bench_sessions faults
 	$(SHARED_CORES) $(PY) -m perf.bench_sessions log-cost
 	$(SHARED_CORES) $(PY) -m perf.bench_sessions scale
+
+## concurrent writers of shared sessions under forced timeouts and faults: every acknowledged event logged
+## exactly once, in each writer's order (Jepsen-style; needs Debian's redis-server and nginx, ~8 min)
+bench-writers: setup
+	$(SHARED_CORES) $(PY) -m perf.bench_writers
 
 ## two replicas behind nginx with a Redis log, real ML-1M users (needs Debian's redis-server and nginx)
 bench-scaleout: setup $(RUNS)/bench/model.pt
