@@ -252,8 +252,8 @@ class TritonServer:
         root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         env.pop(ADMIN_KEY_ENV, None)
-        if self.event_log:  # the log its probe checks: the server's
-            env[EVENT_LOG_ENV] = self.event_log
+        if self.event_log_file or self.event_log:  # the log its probe checks: the server's (a file's path made absolute)
+            env[EVENT_LOG_ENV] = self.event_log_file or self.event_log
         if self.admin_key:  # in its environment, not on its command line
             env[ADMIN_KEY_ENV] = self.admin_key
         log = open(self.watchdog_log_file, "ab")
