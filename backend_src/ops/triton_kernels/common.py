@@ -1,5 +1,6 @@
 """What the Triton kernels share: the dtypes they take, block sizes, dot precision, the softmax
-statistics of a block of queries, and the launch set-up of the kernels over blocks of beams."""
+statistics of a block of queries, and the set-up of the kernels over blocks of beams: on the host
+(BeamTiles: grid, block sizes) and on the device (a program's user, head, rows and queries)."""
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -63,8 +64,45 @@ def beam_tiles(q: torch.Tensor, k: torch.Tensor) -> BeamTiles:
 
 
 # --------------------------------------------------------------------------------------------
-# shared device helpers
+# shared device helpers (inlined into each kernel: the same device code as written in place)
 # --------------------------------------------------------------------------------------------
+@triton.jit
+def beam_offsets(pid_w, W, D, BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The rows of block pid_w (beams, or HSTU's queries), the head-dim offsets, and their masks:
+    (offs_w, offs_d, w_mask, d_mask)."""
+    offs_w = pid_w * BLOCK_W + tl.arange(0, BLOCK_W)
+    offs_d = tl.arange(0, BLOCK_D)
+    return offs_w, offs_d, offs_w < W, offs_d < D
+
+
+@triton.jit
+def beam_block(H, W, D, BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The (user b, head h) of a program on the grid BeamTiles.grid() (int64, so that offsets of
+    large tensors do not overflow) and its block of rows: (b, h, offs_w, offs_d, w_mask, d_mask)."""
+    pid_bh = tl.program_id(0).to(tl.int64)
+    pid_w = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    offs_w, offs_d, w_mask, d_mask = beam_offsets(pid_w, W, D, BLOCK_W, BLOCK_D)
+    return b, h, offs_w, offs_d, w_mask, d_mask
+
+
+@triton.jit
+def load_beam_queries(q_ptr, b, h, offs_w, offs_d, w_mask, d_mask, sq_b, sq_w, sq_h, sq_d):
+    """q[b, offs_w, h, offs_d] as a [BLOCK_W, BLOCK_D] tile, 0 outside the masks."""
+    return tl.load(q_ptr + b * sq_b + h * sq_h + offs_w[:, None] * sq_w + offs_d[None, :] * sq_d,
+                   mask=w_mask[:, None] & d_mask[None, :], other=0.0)
+
+
+@triton.jit
+def key_logits(q, k_base, n, n_mask, sk_n, sk_d, offs_d, d_mask, qk_scale, DOT_PRECISION: tl.constexpr):
+    """Base-2 logits [BLOCK_W, BLOCK_N] of the queries q against key rows n of k_base (rows
+    outside n_mask load as 0: the caller masks their logits)."""
+    k = tl.load(k_base + n[:, None] * sk_n + offs_d[None, :] * sk_d,
+                mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+    return tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+
+
 @triton.jit
 def softmax_stats(q, k_base, sk_n, sk_d, offs_d, d_mask, L, qk_scale,
                   BLOCK_W: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
@@ -75,9 +113,7 @@ def softmax_stats(q, k_base, sk_n, sk_d, offs_d, d_mask, L, qk_scale,
     for start in range(0, L, BLOCK_N):
         n = start + offs_n
         n_mask = n < L
-        k = tl.load(k_base + n[:, None] * sk_n + offs_d[None, :] * sk_d,
-                    mask=n_mask[:, None] & d_mask[None, :], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BW, BN]
+        s = key_logits(q, k_base, n, n_mask, sk_n, sk_d, offs_d, d_mask, qk_scale, DOT_PRECISION)  # [BW, BN]
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         l = l * tl.exp2(m - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), axis=1)

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import NEG_BIG, beam_tiles, pow2, softmax_stats
+from .common import NEG_BIG, beam_block, beam_offsets, beam_tiles, key_logits, load_beam_queries, pow2, softmax_stats
 
 
 # --------------------------------------------------------------------------------------------
@@ -37,20 +37,12 @@ def _decode_attention_kernel(
 
     HAS_THRESH: beam w only keeps the rows whose score sel[b, w, j] reaches its threshold
     tau[b, w] (dynamic top-k: every beam its own rows, read densely from one K/V block)."""
-    pid_bh = tl.program_id(0).to(tl.int64)
-    pid_w = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
-    offs_w = pid_w * BLOCK_W + tl.arange(0, BLOCK_W)
-    offs_d = tl.arange(0, BLOCK_D)
+    b, h, offs_w, offs_d, w_mask, d_mask = beam_block(H, W, D, BLOCK_W, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     offs_n = tl.arange(0, BLOCK_N)
-    w_mask = offs_w < W
-    d_mask = offs_d < D
     dv_mask = offs_dv < DV
 
-    q = tl.load(q_ptr + b * sq_b + h * sq_h + offs_w[:, None] * sq_w + offs_d[None, :] * sq_d,
-                mask=w_mask[:, None] & d_mask[None, :], other=0.0)
+    q = load_beam_queries(q_ptr, b, h, offs_w, offs_d, w_mask, d_mask, sq_b, sq_w, sq_h, sq_d)
     L = tl.minimum(tl.load(len_ptr + b), N)
     k_base = k_ptr + b * sk_b + h * sk_h
     v_base = v_ptr + b * sv_b + h * sv_h
@@ -63,9 +55,7 @@ def _decode_attention_kernel(
     for start in range(0, L, BLOCK_N):
         n = start + offs_n
         n_mask = n < L
-        k = tl.load(k_base + n[:, None] * sk_n + offs_d[None, :] * sk_d,
-                    mask=n_mask[:, None] & d_mask[None, :], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BW, BN] base-2 logits
+        s = key_logits(q, k_base, n, n_mask, sk_n, sk_d, offs_d, d_mask, qk_scale, DOT_PRECISION)  # [BW, BN]
         keep = n_mask[None, :]
         if HAS_THRESH:
             sel = tl.load(sel_ptr + b * ss_b + offs_w[:, None] * ss_w + n[None, :] * ss_n,
@@ -123,17 +113,9 @@ def _attention_probs_kernel(
     qk_scale,
     BLOCK_W: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    pid_bh = tl.program_id(0).to(tl.int64)
-    pid_w = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
-    offs_w = pid_w * BLOCK_W + tl.arange(0, BLOCK_W)
-    offs_d = tl.arange(0, BLOCK_D)
+    b, h, offs_w, offs_d, w_mask, d_mask = beam_block(H, W, D, BLOCK_W, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
-    w_mask = offs_w < W
-    d_mask = offs_d < D
-    q = tl.load(q_ptr + b * sq_b + h * sq_h + offs_w[:, None] * sq_w + offs_d[None, :] * sq_d,
-                mask=w_mask[:, None] & d_mask[None, :], other=0.0)
+    q = load_beam_queries(q_ptr, b, h, offs_w, offs_d, w_mask, d_mask, sq_b, sq_w, sq_h, sq_d)
     L = tl.minimum(tl.load(len_ptr + b), N)
     k_base = k_ptr + b * sk_b + h * sk_h
     p_base = p_ptr + b * sp_b + h * sp_h + offs_w[:, None] * sp_w
@@ -145,9 +127,7 @@ def _attention_probs_kernel(
     for start in range(0, L, BLOCK_N):
         n = start + offs_n
         n_mask = n < L
-        k = tl.load(k_base + n[:, None] * sk_n + offs_d[None, :] * sk_d,
-                    mask=n_mask[:, None] & d_mask[None, :], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        s = key_logits(q, k_base, n, n_mask, sk_n, sk_d, offs_d, d_mask, qk_scale, DOT_PRECISION)
         p = tl.exp2(tl.where(n_mask[None, :], s, float("-inf")) - m[:, None]) * inv_l[:, None]
         tl.store(p_base + n[None, :] * sp_n, p.to(p_ptr.dtype.element_ty),
                  mask=w_mask[:, None] & (n < N)[None, :])
@@ -191,12 +171,8 @@ def _beam_head_mean_kernel(
     (no atomics, no zero fill): pass 1 keeps each head's softmax statistics in a small scratch
     buffer stat [B, H, W, 2], pass 2 sums the heads' weights tile by tile."""
     b = tl.program_id(0).to(tl.int64)
-    pid_w = tl.program_id(1)
-    offs_w = pid_w * BLOCK_W + tl.arange(0, BLOCK_W)
-    offs_d = tl.arange(0, BLOCK_D)
+    offs_w, offs_d, w_mask, d_mask = beam_offsets(tl.program_id(1), W, D, BLOCK_W, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
-    w_mask = offs_w < W
-    d_mask = offs_d < D
     L = tl.minimum(tl.load(len_ptr + b), N)
     q_rows = q_ptr + b * sq_b + offs_w[:, None] * sq_w + offs_d[None, :] * sq_d
     qw_mask = w_mask[:, None] & d_mask[None, :]
@@ -217,9 +193,8 @@ def _beam_head_mean_kernel(
             q = tl.load(q_rows + h * sq_h, mask=qw_mask, other=0.0)
             m = tl.load(stat + h * st_h, mask=w_mask, other=0.0)
             c = tl.load(stat + h * st_h + 1, mask=w_mask, other=0.0)  # 1 / (H l)
-            k = tl.load(k_ptr + b * sk_b + h * sk_h + n[:, None] * sk_n + offs_d[None, :] * sk_d,
-                        mask=n_mask[:, None] & d_mask[None, :], other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+            s = key_logits(q, k_ptr + b * sk_b + h * sk_h, n, n_mask, sk_n, sk_d, offs_d, d_mask, qk_scale,
+                           DOT_PRECISION)
             acc += tl.exp2(tl.where(n_mask[None, :], s, float("-inf")) - m[:, None]) * c[:, None]
         tl.store(o_rows + n[None, :] * so_n, acc, mask=w_mask[:, None] & (n < N)[None, :])
     for start in range(tl.cdiv(L, BLOCK_N) * BLOCK_N, N, BLOCK_N):  # rows past the length: 0

@@ -15,7 +15,7 @@ import triton.language as tl
 
 from backend_src.ops import reference
 
-from .common import block_keys, dot_precision, pow2
+from .common import beam_block, block_keys, dot_precision, load_beam_queries, pow2
 
 _THRESHOLDS: dict = {}
 
@@ -135,16 +135,9 @@ def _hstu_attention_kernel(
     (timestamps are subtracted in int64 first, so large epochs lose nothing).
     BIASES = 2 adds both biases (the op); 1 (position only) and 0 (none) exist for the GPU
     efficiency profile, which times what each bias costs."""
-    pid_bh = tl.program_id(0).to(tl.int64)
-    pid_m = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
+    b, h, offs_m, offs_d, m_mask, d_mask = beam_block(H, M, D, BLOCK_M, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     offs_n = tl.arange(0, BLOCK_N)
-    m_mask = offs_m < M
-    d_mask = offs_d < D
     dv_mask = offs_dv < DV
 
     qp = tl.load(qpos_ptr + b * sqp_b + offs_m * sqp_m, mask=m_mask, other=0).to(tl.int32)
@@ -169,8 +162,7 @@ def _hstu_attention_kernel(
         kp = tl.load(kpos_base + n * skp_n, mask=n < nh, other=0).to(tl.int32)
         end = tl.maximum(end, tl.max(tl.where((n < nh) & (kp <= qp_max), n + 1, 0), axis=0))
 
-    q = tl.load(q_ptr + b * sq_b + h * sq_h + offs_m[:, None] * sq_m + offs_d[None, :] * sq_d,
-                mask=m_mask[:, None] & d_mask[None, :], other=0.0)  # [BM, BD]
+    q = load_beam_queries(q_ptr, b, h, offs_m, offs_d, m_mask, d_mask, sq_b, sq_m, sq_h, sq_d)  # [BM, BD]
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     # the query's own key (M-FALCON candidates), unless the history scan counts it: one more tile
     # whose keys are the queries' own rows, kept on its diagonal

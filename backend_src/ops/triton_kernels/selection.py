@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import beam_tiles, pow2, softmax_stats
+from .common import beam_block, beam_tiles, key_logits, load_beam_queries, pow2, softmax_stats
 
 
 # --------------------------------------------------------------------------------------------
@@ -34,17 +34,9 @@ def _pfa_scores_kernel(
     """PFA importance s_n = sum_w w[b, w] mean_h a[b, w, h, n]: this (user, head, beam block) adds
     its part into out[b, n] (fp32, zero-initialized); rows n >= lengths[b] get -inf, so that a
     top-k never picks them."""
-    pid_bh = tl.program_id(0).to(tl.int64)
-    pid_w = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
-    offs_w = pid_w * BLOCK_W + tl.arange(0, BLOCK_W)
-    offs_d = tl.arange(0, BLOCK_D)
+    b, h, offs_w, offs_d, w_mask, d_mask = beam_block(H, W, D, BLOCK_W, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
-    w_mask = offs_w < W
-    d_mask = offs_d < D
-    q = tl.load(q_ptr + b * sq_b + h * sq_h + offs_w[:, None] * sq_w + offs_d[None, :] * sq_d,
-                mask=w_mask[:, None] & d_mask[None, :], other=0.0)
+    q = load_beam_queries(q_ptr, b, h, offs_w, offs_d, w_mask, d_mask, sq_b, sq_w, sq_h, sq_d)
     L = tl.minimum(tl.load(len_ptr + b), N)
     k_base = k_ptr + b * sk_b + h * sk_h
 
@@ -54,12 +46,10 @@ def _pfa_scores_kernel(
     for start in range(0, L, BLOCK_N):
         n = start + offs_n
         n_mask = n < L
-        k = tl.load(k_base + n[:, None] * sk_n + offs_d[None, :] * sk_d,
-                    mask=n_mask[:, None] & d_mask[None, :], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        s = key_logits(q, k_base, n, n_mask, sk_n, sk_d, offs_d, d_mask, qk_scale, DOT_PRECISION)
         p = tl.exp2(tl.where(n_mask[None, :], s, float("-inf")) - m[:, None]) * scale_w[:, None]
         tl.atomic_add(out_ptr + b * so_b + n * so_n, tl.sum(p, axis=0), mask=n_mask)
-    if (pid_w == 0) and (h == 0):
+    if (tl.program_id(1) == 0) and (h == 0):
         # rows past the length: no program adds to them, so one plain store is race-free
         for start in range(L // BLOCK_N * BLOCK_N, N, BLOCK_N):
             n = start + offs_n
