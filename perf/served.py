@@ -305,7 +305,8 @@ class InProcess:
         self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="in-process-log")
         self.sessions = 0
         with torch.inference_mode():
-            self.cache = self._encode(self._indices(self.raw))
+            self.history = self._indices(self.raw)  # the ranker stage gets it from the encoder's answer
+            self.cache = self._encode(self.history)
             self.base = self._encode(self._indices(self.raw[:-1]))
 
     def _indices(self, raw):
@@ -347,7 +348,7 @@ class InProcess:
             else:
                 cache, model_ms = self.cache, 0.0
             t1 = time.perf_counter()
-            m.recommend(cache, self.options, top_k=self.top_k)
+            m.recommend(cache, self.options, top_k=self.top_k, history_items=self.history)  # as the stages call it
             t2 = time.perf_counter()
             if parts:
                 m.retrieve(cache, self.options)

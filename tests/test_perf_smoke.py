@@ -200,12 +200,16 @@ def test_in_process_request_writes_the_log_as_the_served_one_does(tmp_path):
     """The served benchmark's in-process row does the served request's work beyond the model too: an
     open logs its events, an append its one event after the session's others, a recommend nothing."""
     from backend_src.config import DecodeOptions
+    from backend_src.model.covisitation import CoVisitation
     from backend_src.model.recommender import GenerativeRecommender
     from backend_src.serving.event_log import open_event_log
     from perf.served import InProcess
 
     ids = [None] + [f"i{k}" for k in range(40)]
     model = GenerativeRecommender.untrained(ids, 32, seed=0)
+    # every expert of the served order on, the co-visitation one too: it reads the history's items
+    model.covisitation = CoVisitation(model.cfg.num_items, 2)
+    model.cfg.set_fusion_weights((1.0, 0.5, 0.5), (1.0, 0.5, 0.5))
     events = ([f"i{k}" for k in range(20)], [0] * 20, list(range(100, 120)))
     path = tmp_path / "events.sqlite3"
     work = InProcess(model, events, DecodeOptions(beam_width=8), top_k=3, threads=1, log_path=path, durability="full")
