@@ -25,9 +25,7 @@ session's log is read and checked:
 from __future__ import annotations
 
 import argparse
-import os
 import random
-import signal
 import tempfile
 import threading
 import time
@@ -36,6 +34,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from perf.bench_sessions import item_id, os_kill
 from perf.common import RESULTS_DIR, host_load, log, save_result
 
 K = 64  # events per writer and session at most: writer w's k-th event is item 1 + w * K + k
@@ -116,7 +115,9 @@ class SingleServer:
 
     @property
     def log_url(self) -> str:
-        return self.redis.url if self.redis else str(self.repo.parent / f"{self.repo.name}-events" / "events.sqlite3")
+        from backend_src.serving.event_log import served_log_url
+
+        return self.redis.url if self.redis else served_log_url({}, self.repo)  # the encoder's default beside the repository
 
     def server_pid(self) -> int:
         """The running tritonserver's pid (the watchdog writes a restarted one's to the pid file)."""
@@ -129,11 +130,11 @@ class SingleServer:
             from perf.bench_sessions import stub_pid
 
             pid = stub_pid(fault[len("stub_kill_"):], self.server_pid())
-            _kill(pid)
+            os_kill(pid)
             return f"SIGKILL stub pid {pid}"
         if fault == "server_kill":
             pid = self.server_pid()
-            _kill(pid)
+            os_kill(pid)
             return f"SIGKILL tritonserver pid {pid}"
         if fault == "redis_down_5s":
             self.redis.kill()
@@ -175,7 +176,7 @@ class Cluster:
 
         replica = self.cluster.replicas[0]
         pid = int((read_pid_file(replica.pid_file) or {}).get("pid") or replica.pid) if replica.pid_file else replica.pid
-        _kill(pid)
+        os_kill(pid)
         t0 = time.monotonic()
         time.sleep(1.0)
         while time.monotonic() - t0 < HEAL_BOUND_S and not http_ok(f"http://{replica.http_url}/v2/health/ready"):
@@ -187,17 +188,11 @@ class Cluster:
                 f"({time.monotonic() - t0:.1f} s after the kill)")
 
 
-def _kill(pid) -> None:
-    if pid is None:
-        raise RuntimeError("no such process found")
-    os.kill(pid, signal.SIGKILL)
-
-
 # --------------------------------------------------------------------------------------------
 # The writers and the check
 # --------------------------------------------------------------------------------------------
 def event_item(writer: int, k: int) -> str:
-    return f"item-{1 + writer * K + k}"
+    return item_id(1 + writer * K + k)
 
 
 def item_event(item: str):
@@ -245,7 +240,7 @@ class Writers:
         self.seconds = time.monotonic() - self.t0
 
     def _run(self, w: int) -> None:
-        from clients.client import RecommenderClient, RecommenderError, SessionLost
+        from clients.client import RecommenderClient, SessionLost
 
         rng = random.Random(self.seed * 1000 + w)
         order = list(range(len(self.sids)))

@@ -28,7 +28,7 @@ CONTRACT_MODULES = {"genrec_contract/__init__.py", "genrec_contract/protocol.py"
 
 # Run first in each subprocess: refuse torch, the GPU/JIT stacks, and every part of the project
 # other than the client and the contract.
-REFUSE_IMPORTS = f"""
+REFUSE_IMPORTS = """
 import sys
 from importlib.abc import MetaPathFinder
 
@@ -40,7 +40,7 @@ class Refuse(MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
         top = name.split(".")[0]
         if top in REFUSED:
-            raise ModuleNotFoundError(f"{{name}} refused: the client must not need it", name=name)
+            raise ModuleNotFoundError(f"{name} refused: the client must not need it", name=name)
         return None
 
 

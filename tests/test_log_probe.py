@@ -5,7 +5,8 @@ import os
 import pytest
 
 from backend_src.serving.event_log import PROBE_KEY, open_event_log
-from backend_src.serving.log_probe import LogProbe, sqlite_file
+from backend_src.serving.event_log import sqlite_path
+from backend_src.serving.log_probe import LogProbe
 from backend_src.serving.redis_server import RedisServer, redis_server_binary
 from genrec_contract import protocol as P
 
@@ -50,6 +51,7 @@ def test_probe_of_a_redis_log_follows_the_server(tmp_path):
         redis.stop()
 
 
-def test_sqlite_file_of_each_url_form():
-    assert sqlite_file("sqlite:///abs/e.db") == "/abs/e.db" and sqlite_file("sqlite:rel/e.db") == "rel/e.db"
-    assert sqlite_file("/abs/e.db") == "/abs/e.db" and sqlite_file("redis://h:1/0") is None and sqlite_file(None) is None
+def test_sqlite_path_of_each_url_form():
+    assert sqlite_path("sqlite:///abs/e.db") == "/abs/e.db" and sqlite_path("sqlite:rel/e.db") == "rel/e.db"
+    assert sqlite_path("/abs/e.db") == "/abs/e.db" and sqlite_path("redis://h:1/0") is None and sqlite_path(None) is None
+    assert sqlite_path("/data/a:b.db") == "/data/a:b.db" and sqlite_path("memory:") is None  # as open_event_log reads them

@@ -17,7 +17,6 @@ import logging
 import os
 import threading
 import time
-from pathlib import Path
 from typing import Callable, Optional
 
 from backend_src.serving.event_log import EVENT_LOG_ENV, SQLiteEventLog, open_event_log, served_log_url
@@ -45,23 +44,6 @@ def served_event_log(grpc_url: str, repository) -> Optional[str]:
         client.close()
     params = {k: v.get("string_value", "") for k, v in (config.get("parameters") or {}).items()}
     return served_log_url(params, repository)
-
-
-def sqlite_file(url: Optional[str]) -> Optional[str]:
-    """The file of a SQLite log's URL; None for another backend."""
-    if not url or url == "memory:" or url.lower().startswith(("redis://", "rediss://")):
-        return None
-    return url[len("sqlite:"):].removeprefix("//") if url.lower().startswith("sqlite:") else url
-
-
-def checkpoint(path: Optional[str]) -> None:
-    """Move a SQLite log's WAL into its main file and remove the WAL (a stopped server's last step:
-    the file alone then holds every event). Nothing for a missing file; errors are left to the next start."""
-    if path and Path(path).exists():
-        try:
-            open_event_log(path, verify=False).close()
-        except Exception as e:  # noqa: BLE001
-            log.warning("event log %s: no checkpoint at stop (%s)", path, e)
 
 
 class LogProbe:

@@ -21,7 +21,8 @@ import time
 from pathlib import Path
 
 from backend_src.serving.access import ADMIN_KEY_ENV, check_admin_key, restricted_api_flags
-from backend_src.serving.log_probe import checkpoint, served_event_log, sqlite_file
+from backend_src.serving.event_log import EVENT_LOG_ENV, checkpoint, sqlite_path
+from backend_src.serving.log_probe import served_event_log
 from backend_src.serving.processes import (
     free_port, http_ok, is_process, launch, launch_file, read_pid_file, terminate, update_pid_file, write_launch_file,
 )
@@ -37,7 +38,6 @@ DEFAULT_READY_PORT = 8003
 # timeout and the models do not unload gracefully; sessions do not depend on that.
 DEFAULT_EXIT_TIMEOUT_S = 5
 
-EVENT_LOG_ENV = "GENREC_EVENT_LOG"
 # What a process's command line holds, to tell ours from a process that took a pid since
 SERVER_MARKER = "tritonserver"
 WATCHDOG_MARKER = "serving.watchdog"
@@ -92,6 +92,18 @@ def install_python_stub(home: Path) -> Path:
         os.chmod(tmp, 0o755)
         os.replace(tmp, dst)
     return dst
+
+
+def clean_up_after_stop(servers: list, pid_file, event_log_file) -> None:
+    """What stopped servers leave: the stubs a server killed after its grace left behind (its process
+    group), its pid and launch files, and a SQLite log's WAL (checkpointed: the main file then holds
+    every event)."""
+    for pid in servers:
+        end_group(pid)
+    if pid_file:
+        Path(pid_file).unlink(missing_ok=True)
+        launch_file(pid_file).unlink(missing_ok=True)
+    checkpoint(event_log_file)
 
 
 class TritonServer:
@@ -233,7 +245,8 @@ class TritonServer:
         self.pid = self.process.pid  # the exec keeps the pid: this is tritonserver's
         self.wait_ready(timeout_s)
         url = self.event_log or served_event_log(self.grpc_url, self.model_repository)
-        self.event_log_file = str(Path(sqlite_file(url)).resolve()) if sqlite_file(url) else None
+        path = sqlite_path(url)
+        self.event_log_file = str(Path(path).resolve()) if path else None
         if self.pid_file:
             self.pid_file.parent.mkdir(parents=True, exist_ok=True)
             update_pid_file(self.pid_file, **self.info())
@@ -321,11 +334,7 @@ class TritonServer:
             if current and current != self.pid and is_process(int(current), SERVER_MARKER):
                 code = terminate(int(current), grace_s)[0]  # the watchdog restarted it
             servers += [int(current)] if current else []
-            self.pid_file.unlink(missing_ok=True)
-            launch_file(self.pid_file).unlink(missing_ok=True)
-        for pid in servers:  # stubs a server killed after its grace left behind
-            end_group(pid)
-        checkpoint(self.event_log_file)
+        clean_up_after_stop(servers, self.pid_file, self.event_log_file)
         return code
 
     def stop_watchdog(self) -> None:

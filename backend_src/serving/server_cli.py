@@ -28,13 +28,11 @@ from pathlib import Path
 
 from backend_src.serving.access import ADMIN_KEY_ENV, ensure_admin_key, read_admin_key
 from backend_src.serving.health import heal
-from backend_src.serving.log_probe import checkpoint
-from backend_src.serving.processes import http_json, http_ok, is_process, launch_file, read_pid_file, terminate, update_pid_file
+from backend_src.serving.processes import http_json, http_ok, is_process, read_pid_file, terminate, update_pid_file
 from backend_src.serving.server import (
     DEFAULT_ADDRESS, DEFAULT_EXIT_TIMEOUT_S, DEFAULT_LOG_FILE, DEFAULT_PID_FILE, DEFAULT_READY_PORT, SERVER_MARKER,
-    WATCHDOG_MARKER, TritonServer,
+    WATCHDOG_MARKER, TritonServer, clean_up_after_stop,
 )
-from backend_src.serving.stub_processes import end_group
 
 
 def start_missing_watchdog(info: dict, pid_file: Path, model_repository, key_from_env: bool) -> int:
@@ -166,10 +164,7 @@ def main(argv=None) -> int:
         print(f"stopped pid {pid} by {how} in {time.monotonic() - t0:.1f} s")
     else:
         print(f"pid {pid} was not running")
-    end_group(pid)  # stubs a server killed after its grace left behind
-    checkpoint(info.get("event_log_file"))  # every event in the log's main file
-    pid_file.unlink(missing_ok=True)
-    launch_file(pid_file).unlink(missing_ok=True)
+    clean_up_after_stop([pid], pid_file, info.get("event_log_file"))
     return 0
 
 

@@ -391,7 +391,7 @@ def read_input(inputs: Mapping, spec: P.TensorSpec, sizes: dict, max_elements: i
 # "UNAVAILABLE" and "INTERNAL" are spelled out: protocol has no constant for INTERNAL (a client is never told to send it).
 _ERROR_CODES = {
     P.NOT_FOUND: "NOT_FOUND",
-    P.ABORTED: "ALREADY_EXISTS",  # travels tagged (protocol.TAGGED_STATUSES)
+    "ALREADY_EXISTS": "ALREADY_EXISTS",
     P.RESOURCE_EXHAUSTED: "UNAVAILABLE",  # a full server: retrying later may succeed
     "UNAVAILABLE": "UNAVAILABLE",
     "INTERNAL": "INTERNAL",  # the stage failed, not the request
@@ -399,8 +399,9 @@ _ERROR_CODES = {
 
 
 def error_code(status: str, codes) -> int:
-    """gRPC status name -> the backend's TritonError code (`codes` = TritonError)."""
-    return getattr(codes, _ERROR_CODES.get(status, "INVALID_ARG"))
+    """gRPC status name -> the backend's TritonError code (`codes` = TritonError); a status Triton
+    has no code for travels as the one protocol.TAGGED_STATUSES names (its message tagged)."""
+    return getattr(codes, _ERROR_CODES.get(P.TAGGED_STATUSES.get(status, status), "INVALID_ARG"))
 
 
 def decode_defaults(params: Mapping) -> DecodeOptions:

@@ -55,6 +55,7 @@ interface in ``base``; this package exposes their public names. The command line
 """
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Optional
@@ -71,7 +72,7 @@ from backend_src.serving.event_log.sqlite_log import SQLiteEventLog
 __all__ = [
     "DEFAULT_REDIS_PREFIX", "DEFAULT_RETAIN_EVENTS", "DURABILITY", "EVENT_LOG_ENV", "PROBE_KEY", "WRITE_ASIDE_EVENTS",
     "EventLog", "EventLogDamaged", "EventLogUnavailable", "EventRange", "LogConflict", "MemoryEventLog", "RedisEventLog",
-    "SQLiteEventLog", "UserLog", "open_event_log", "served_log_url",
+    "SQLiteEventLog", "UserLog", "checkpoint", "open_event_log", "served_log_url", "sqlite_path",
 ]
 
 
@@ -121,6 +122,29 @@ def served_log_url(params, repository) -> str:
         return str(url)
     repository = Path(repository).resolve()
     return str(repository.parent / f"{repository.name}-events" / "events.sqlite3")
+
+
+def sqlite_path(url) -> Optional[str]:
+    """The file a SQLite log's URL names, as open_event_log opens it; None for another backend."""
+    if not url:
+        return None
+    url = os.fspath(url)
+    scheme = url.split(":", 1)[0].lower() if ":" in url else ""
+    if scheme == "sqlite":
+        return _sqlite_path(url)
+    return None if scheme in ("redis", "rediss") or "://" in url or url in ("memory:", ":memory:") else url
+
+
+def checkpoint(url) -> None:
+    """Move a SQLite log's WAL into its main file and remove the WAL (a stopped server's last step:
+    the file alone then holds every event). Nothing for another backend or a missing file; errors are
+    left to the next start."""
+    path = sqlite_path(url)
+    if path and Path(path).exists():
+        try:
+            SQLiteEventLog(path, verify=False).close()
+        except Exception as e:  # noqa: BLE001
+            logging.getLogger("genrec.event_log").warning("event log %s: no checkpoint at stop (%s)", path, e)
 
 
 def open_event_log(url: str, *, retain_events: int = DEFAULT_RETAIN_EVENTS, ttl_s: Optional[float] = None,

@@ -34,11 +34,11 @@ def check_own_copies(version_dir: Path) -> str:
     import backend_src
     import genrec_contract
 
-    version = backend_src.require_copy_in(version_dir)
-    contract = Path(genrec_contract.__file__).resolve().parent
-    if contract != (Path(version_dir) / "genrec_contract").resolve():
-        raise RuntimeError(f"genrec_contract was imported from {contract}, not from the version directory {version_dir}")
-    return version
+    for package in (backend_src, genrec_contract):
+        here = Path(package.__file__).resolve().parent
+        if here != (Path(version_dir) / package.__name__).resolve():
+            raise RuntimeError(f"{package.__name__} was imported from {here}, not from the version directory {version_dir}")
+    return backend_src.__version__
 
 
 def start(args: dict, log: Callable[[str], None] = print) -> StageStart:
