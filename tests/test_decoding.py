@@ -296,6 +296,7 @@ def test_node_output_by_parent_blocks_equals_per_pair(monkeypatch):
         assert torch.allclose(by_blocks.log_probs, per_pair.log_probs, atol=1e-5)
         return by_blocks
 
+    monkeypatch.setenv("GENREC_OPS_BACKEND", "torch")  # the torch composition (the CPU kernel scores pairs)
     assert dec.node_blocks(1, cb) is not None and dec.node_blocks(2, cb) is not None
     before = both()
     with torch.no_grad():
@@ -303,6 +304,63 @@ def test_node_output_by_parent_blocks_equals_per_pair(monkeypatch):
             e.weight[:-1].mul_(-2.0)
     after = both()
     assert not torch.allclose(before.log_probs, after.log_probs)
+
+
+@pytest.mark.parametrize("sizes,nodes,B,W", [(SPARSE_SIZES, True, 4, 6), ((4, 3, 3), False, 3, 5), (SPARSE_SIZES, True, 1, 40)])
+def test_cpu_kernels_decode_as_the_torch_composition(monkeypatch, sizes, nodes, B, W):
+    """The compiled CPU kernels of a beam search (cpu_kernels: select_beams, add_node_scores) give
+    the torch composition's beams: same items, same order, log-probabilities equal to rounding."""
+    from backend_src.ops import dispatch
+
+    if dispatch.fused_cpu_kernels(torch.zeros(1)) is None:
+        pytest.skip("numba is not importable")
+    cb = _codebook(sizes=sizes)
+    dec = _decoder(cb, nodes=nodes)
+    states, lengths = _history(B=B, N=10)
+    for mode in ("full", "pfa"):
+        opts = DecodeOptions(mode=mode, beam_width=W, k=4, r=0.5)
+        compiled = generate(dec, cb, states, lengths, opts)
+        with monkeypatch.context() as m:
+            m.setenv("GENREC_OPS_BACKEND", "torch")
+            composed = generate(dec, cb, states, lengths, opts)
+        assert torch.equal(compiled.item_ids, composed.item_ids), mode
+        assert torch.equal(compiled.codes, composed.codes), mode
+        assert torch.allclose(compiled.log_probs, composed.log_probs, atol=1e-5), mode
+
+
+def test_select_beams_kernel_breaks_ties_in_continuation_order():
+    """Equal scores: the compiled expansion keeps the first continuations, best first, and names
+    dead beams -1 as the composition does."""
+    from backend_src.decoding.beam_search import select_beams
+    from backend_src.ops import dispatch
+
+    if dispatch.fused_cpu_kernels(torch.zeros(1)) is None:
+        pytest.skip("numba is not importable")
+    cb = _codebook(sizes=(4, 3, 3))
+    logits = torch.zeros(1, 2, 4)  # two beams, four codes each, all equal
+    bias = torch.zeros(1, 2, 4)  # a dead beam's bias is 0 (its own score is -inf)
+    beam_lp = torch.tensor([[0.0, float("-inf")]])
+    prefix = torch.tensor([[0, -1]])
+    lp, parent, code, nxt = select_beams(logits, bias, beam_lp, None, prefix, cb, 0, 6)
+    assert parent.tolist() == [[0, 0, 0, 0, 1, 1]] and code.tolist() == [[0, 1, 2, 3, -1, -1]]
+    assert torch.allclose(lp[0, :4], torch.full((4,), -math.log(4))) and torch.isinf(lp[0, 4:]).all()
+    assert nxt[0, :4].tolist() == cb.child(0)[0].tolist() and nxt[0, 4:].tolist() == [-1, -1]
+
+
+def test_pfa_keeping_every_row_attends_as_full_attention(monkeypatch):
+    """A history no longer than every step's budget keeps all its rows: PFA does no ranking and
+    decodes as full attention does."""
+    from backend_src import ops as ops_module
+
+    cb = _codebook()
+    dec = _decoder(cb)
+    states, lengths = _history(B=3, N=8)
+    calls = []
+    monkeypatch.setattr(ops_module, "pfa_select_rows", lambda *a, **k: calls.append(1))
+    pfa = generate(dec, cb, states, lengths, DecodeOptions(mode="pfa", beam_width=5, k=32, r=0.5))  # budgets 32, 16, 8
+    full = generate(dec, cb, states, lengths, DecodeOptions(mode="full", beam_width=5))
+    assert not calls
+    assert torch.equal(pfa.item_ids, full.item_ids) and torch.allclose(pfa.log_probs, full.log_probs, atol=1e-5)
 
 
 def test_pfa_selection_changes_output():

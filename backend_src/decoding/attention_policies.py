@@ -106,6 +106,12 @@ class ProgressiveFocus(AttentionPolicy):
 
     def select(self, t: int, q: torch.Tensor, beam_lp: torch.Tensor) -> None:
         dec, opts, T = self.decoder, self.options, self.decoder.num_steps
+        if min(opts.budget(u) for u in range(t, T)) >= self.states.shape[1]:
+            # every step keeps every row (a history no longer than the smallest k_t): the ranking
+            # would only reorder them, which attention does not see
+            self.kept_len = self.lengths
+            self.kept = {u: self.kv(u) for u in range(t, T)}
+            return
         # one shared ranking from the beams' pooled weights over every row's key
         K = self.kv(t)[0] if dec.shared_kv_projection else dec.project_step(self.states, t, "k")
         # the kept rows of this and every later step, gathered once into contiguous memory by the

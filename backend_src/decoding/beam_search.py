@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from backend_src import ops
@@ -36,6 +37,31 @@ class BeamResult:
     #   step, weights [B, N] (beam-probability-weighted, head-averaged), beam_weights [B, W_t],
     #   per_beam [B, W_t, N] (head-averaged)
     attention: list = field(default_factory=list)
+
+
+def select_beams(logits, bias, beam_lp, kids, prefix, codebook, t: int, width: int) -> tuple:
+    """One expansion: each beam's continuations [B, Wt, M] scored log_softmax(logits + bias) (bias
+    0 / -inf) + the beam's score beam_lp [B, Wt]; the best min(width, Wt M) of a user's, best first
+    -> (their scores, the beams they extend, their codes, their level-(t+1) prefix ids), [B, W]
+    each; code and prefix -1 for a dead (-inf) beam. kids [B, Wt, M] the continuations' codes, or
+    None where they are all C_t codes. One compiled call on the CPU (cpu_kernels.select_beams:
+    ~20 op calls a step fewer), this composition elsewhere; equal scores may come in another order."""
+    kernels = ops.fused_cpu_kernels(logits, bias, beam_lp)
+    B, Wt, M = logits.shape
+    K = min(width, Wt * M)
+    if kernels is not None:
+        out = (torch.empty(B, K), *(torch.empty(B, K, dtype=torch.long) for _ in range(3)))
+        kids_np = np.zeros((0, 0, 0), np.int64) if kids is None else kids.contiguous().numpy()
+        kernels.select_beams(logits.contiguous().numpy(), bias.contiguous().numpy(), beam_lp.contiguous().numpy(), kids_np,
+                             prefix.contiguous().numpy(), codebook.child(t).numpy(), *(o.numpy() for o in out))
+        return out
+    scores = torch.log_softmax(logits + bias, dim=-1).add_(beam_lp[:, :, None]).reshape(B, Wt * M)
+    beam_lp, idx = torch.topk(scores, K, dim=1)  # sorted, best first
+    parent = idx // M
+    code = idx % M if kids is None else torch.gather(kids.reshape(B, Wt * M), 1, idx)
+    alive = beam_lp > NEG_INF
+    prefix = codebook.advance(torch.gather(prefix, 1, parent), code, t)
+    return beam_lp, parent, torch.where(alive, code, -1), torch.where(alive, prefix, -1)
 
 
 @torch.no_grad()
@@ -69,16 +95,7 @@ def generate(decoder, codebook, states: torch.Tensor, lengths: torch.Tensor, opt
         nodes = codebook.next_prefixes(prefix, t, kids) if decoder.has_node_output(t) and blocks is None else None
         parents = (prefix, blocks) if blocks is not None else None
         logits = decoder.head(x, attn, t, codes=kids, nodes=nodes, parents=parents)  # [B, Wt, M]
-        M = logits.shape[-1]
-        step_lp = torch.log_softmax(logits.float() + bias, dim=-1)
-        scores = step_lp.add_(beam_lp[:, :, None]).reshape(B, Wt * M)  # + the beam's score
-        beam_lp, idx = torch.topk(scores, min(W, Wt * M), dim=1)  # sorted, best first
-        parent = idx // M
-        code = idx % M if kids is None else torch.gather(kids.reshape(B, Wt * M), 1, idx)
-        alive = beam_lp > NEG_INF
-        prefix = codebook.advance(torch.gather(prefix, 1, parent), code, t)
-        prefix = torch.where(alive, prefix, -1)
-        code = torch.where(alive, code, -1)
+        beam_lp, parent, code, prefix = select_beams(logits.float(), bias, beam_lp, kids, prefix, codebook, t, W)
         codes = torch.cat([ops.gather_rows(codes, parent), code[:, :, None]], dim=2)
         if t + 1 < T:  # reorder per-beam state by parent (ops.gather_rows: x [B, W_old, ...] -> [B, W_new, ...])
             prefix_emb = ops.gather_rows(prefix_emb, parent) + decoder.code_embedding(code, t)

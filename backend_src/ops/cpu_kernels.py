@@ -159,3 +159,113 @@ def append_one_event(
         _layer_norm(x, final_w, final_b, eps, h)
         for i in range(D):
             states[b, n, i] = h[i]
+
+
+# ---- the decoder's node output (decoder.py): one compiled call that reads only the vectors of the
+# slots naming a prefix, instead of the torch composition's nonzero, gathers and index_add (or a
+# parent block's matrix product over every kid slot, pads included)
+@_njit
+def add_node_scores(out, h, nodes, emb, columns):
+    """out[r, columns[r, k]] += emb[nodes[r, k]] . h[r] wherever nodes[r, k] >= 0, in place.
+    out [R, C], h [R, D], nodes and columns [R, K] (columns [0, 0]: column k itself)."""
+    R, K = nodes.shape
+    D = h.shape[1]
+    own = columns.shape[0] == 0
+    for r in range(R):
+        for k in range(K):
+            n = nodes[r, k]
+            if n >= 0:
+                acc = np.float32(0.0)
+                for d in range(D):
+                    acc += emb[n, d] * h[r, d]
+                out[r, k if own else columns[r, k]] += acc
+
+
+@_njit
+def select_beams(logits, bias, beam_lp, kids, prefix, child, out_lp, out_parent, out_code, out_prefix):
+    """One beam-search expansion (decoding.beam_search.select_beams, whose torch composition is the
+    reference): per user, score = log_softmax(logits + bias) over each beam's M continuations + the
+    beam's score, the best K = out_lp.shape[1] of the Wt M (sorted, best first; equal scores in
+    continuation order), and what they make: the beam each extends, its code (kids[b, w, m], or m
+    where kids is [0, 0, 0]) and its level-(t+1) prefix child[prefix, code]; -1 for both where the
+    new beam is dead (-inf), and for every continuation of a beam none of whose scores is a number.
+    logits, bias [B, Wt, M]; beam_lp, prefix [B, Wt]; child [P_t, C_t]; outputs [B, K]."""
+    B, Wt, M = logits.shape
+    N, K, C = Wt * M, out_lp.shape[1], child.shape[1]
+    own_codes = kids.shape[0] == 0
+    scores = np.empty(N, np.float32)
+    for b in range(B):
+        for w in range(Wt):
+            row = w * M
+            top = -np.inf
+            for m in range(M):
+                v = logits[b, w, m] + bias[b, w, m]
+                scores[row + m] = v
+                top = max(top, v)
+            if top == -np.inf or top != top:  # no continuation (or a NaN logit): the beam ends here
+                for m in range(M):
+                    scores[row + m] = -np.inf
+                continue
+            total = np.float32(0.0)
+            for m in range(M):
+                total += np.exp(scores[row + m] - top)
+            log_total = np.log(total)
+            for m in range(M):
+                scores[row + m] = (scores[row + m] - top) - log_total + beam_lp[b, w]
+        if K < N:  # the K-th best score, then every score above it and, in order, enough equal to it
+            threshold = np.partition(scores, N - K)[N - K]
+            chosen = np.empty(K, np.int64)
+            c = 0
+            for i in range(N):
+                if scores[i] > threshold:
+                    chosen[c] = i
+                    c += 1
+            for i in range(N):
+                if c == K:
+                    break
+                if scores[i] == threshold:
+                    chosen[c] = i
+                    c += 1
+        else:
+            chosen = np.arange(N)
+        order = np.argsort(-scores[chosen], kind="mergesort")  # stable: ties stay in continuation order
+        for k in range(K):
+            i = chosen[order[k]]
+            w, m = i // M, i % M
+            lp = scores[i]
+            out_lp[b, k] = lp
+            out_parent[b, k] = w
+            code = m if own_codes else kids[b, w, m]
+            p = prefix[b, w]
+            if lp == -np.inf:
+                out_code[b, k] = -1
+                out_prefix[b, k] = -1
+            else:
+                out_code[b, k] = code
+                out_prefix[b, k] = child[p, code] if p >= 0 and 0 <= code < C else -1
+
+
+@_njit
+def covisit_scores(history, candidates, pair_keys, pair_weights, num_items, window, decay, out):
+    """The co-visitation expert's score (model/covisitation.py, whose torch composition is the
+    reference): out[b, w] = log(1 + sum_g decay^(g-1) C[h_(n+1-g), c]) over the last `window` of
+    the n events of history[b] (events first, 0 after), c = candidates[b, w]; C read from the
+    sorted pair keys a * (num_items + 1) + c by binary search."""
+    B, W = candidates.shape
+    P = pair_keys.shape[0]
+    for b in range(B):
+        n = 0
+        for j in range(history.shape[1]):
+            n += history[b, j] > 0
+        for w in range(W):
+            c = candidates[b, w]
+            total = np.float32(0.0)
+            weight = np.float32(1.0)
+            for g in range(1, window + 1):
+                if n - g >= 0 and history[b, n - g] > 0:
+                    key = history[b, n - g] * (num_items + 1) + c
+                    i = np.searchsorted(pair_keys, key)
+                    if i < P and pair_keys[i] == key:
+                        total += pair_weights[i] * weight
+                weight *= np.float32(decay)
+            out[b, w] = np.log1p(total)
