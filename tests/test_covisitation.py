@@ -26,7 +26,9 @@ def direct_scores(users: list[list[int]], window: int, history: list[int], candi
     return [math.log1p(sum(DECAY ** g * counts.get((a, c), 0.0) for g, a in enumerate(recent))) for c in candidates]
 
 
-def test_scores_equal_a_direct_count():
+@pytest.mark.parametrize("backend", ["auto", "torch"])  # the compiled CPU kernel (where numba imports), the composition
+def test_scores_equal_a_direct_count(monkeypatch, backend):
+    monkeypatch.setenv("GENREC_OPS_BACKEND", backend)
     rng = np.random.default_rng(0)
     users = [list(rng.integers(1, 9, size=rng.integers(1, 12))) for _ in range(40)]
     offsets = np.concatenate([[0], np.cumsum([len(u) for u in users])])
