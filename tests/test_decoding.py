@@ -308,7 +308,7 @@ def test_node_output_by_parent_blocks_equals_per_pair(monkeypatch):
 
 @pytest.mark.parametrize("sizes,nodes,B,W", [(SPARSE_SIZES, True, 4, 6), ((4, 3, 3), False, 3, 5), (SPARSE_SIZES, True, 1, 40)])
 def test_cpu_kernels_decode_as_the_torch_composition(monkeypatch, sizes, nodes, B, W):
-    """The compiled CPU kernels of a beam search (cpu_kernels: select_beams, add_node_scores) give
+    """The compiled CPU kernel of a beam search's expansion (cpu_kernels.expand_beams) gives
     the torch composition's beams: same items, same order, log-probabilities equal to rounding."""
     from backend_src.ops import dispatch
 
@@ -328,23 +328,26 @@ def test_cpu_kernels_decode_as_the_torch_composition(monkeypatch, sizes, nodes, 
         assert torch.allclose(compiled.log_probs, composed.log_probs, atol=1e-5), mode
 
 
-def test_select_beams_kernel_breaks_ties_in_continuation_order():
-    """Equal scores: the compiled expansion keeps the first continuations, best first, and names
-    dead beams -1 as the composition does."""
-    from backend_src.decoding.beam_search import select_beams
+def test_compiled_expansion_breaks_ties_in_continuation_order():
+    """Equal scores: the compiled expansion keeps the first continuations, best first, names a dead
+    beam's codes and prefix -1, and carries the codes and their embeddings to the new beams."""
+    from backend_src.decoding.beam_search import Beams, expand_beams
     from backend_src.ops import dispatch
 
     if dispatch.fused_cpu_kernels(torch.zeros(1)) is None:
         pytest.skip("numba is not importable")
     cb = _codebook(sizes=(4, 3, 3))
-    logits = torch.zeros(1, 2, 4)  # two beams, four codes each, all equal
-    bias = torch.zeros(1, 2, 4)  # a dead beam's bias is 0 (its own score is -inf)
-    beam_lp = torch.tensor([[0.0, float("-inf")]])
-    prefix = torch.tensor([[0, -1]])
-    lp, parent, code, nxt = select_beams(logits, bias, beam_lp, None, prefix, cb, 0, 6)
-    assert parent.tolist() == [[0, 0, 0, 0, 1, 1]] and code.tolist() == [[0, 1, 2, 3, -1, -1]]
-    assert torch.allclose(lp[0, :4], torch.full((4,), -math.log(4))) and torch.isinf(lp[0, 4:]).all()
-    assert nxt[0, :4].tolist() == cb.child(0)[0].tolist() and nxt[0, 4:].tolist() == [-1, -1]
+    dec = _decoder(cb)
+    with torch.no_grad():
+        dec.out[0].weight.zero_()  # every code of level 0 scores the same
+        dec.out[0].bias.zero_()
+    beams = Beams(lp=torch.tensor([[0.0, float("-inf")]]), prefix=torch.tensor([[0, -1]]),  # the second beam is dead
+                  codes=torch.zeros(1, 2, 0, dtype=torch.long), prefix_emb=torch.zeros(1, 2, D))
+    new, parent = expand_beams(dec, cb, 0, torch.randn(1, 2, D), beams, 6)
+    assert parent.tolist() == [[0, 0, 0, 0, 1, 1]] and new.codes[..., 0].tolist() == [[0, 1, 2, 3, -1, -1]]
+    assert torch.allclose(new.lp[0, :4], torch.full((4,), -math.log(4))) and torch.isinf(new.lp[0, 4:]).all()
+    assert new.prefix[0, :4].tolist() == cb.child(0)[0].tolist() and new.prefix[0, 4:].tolist() == [-1, -1]
+    assert torch.equal(new.prefix_emb[0, :4], dec.code_emb[0].weight) and (new.prefix_emb[0, 4:] == 0).all()
 
 
 def test_pfa_keeping_every_row_attends_as_full_attention(monkeypatch):

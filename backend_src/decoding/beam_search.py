@@ -17,6 +17,7 @@ One loop runs over the 4 decoding steps; users and beams are tensor dimensions.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -39,29 +40,66 @@ class BeamResult:
     attention: list = field(default_factory=list)
 
 
-def select_beams(logits, bias, beam_lp, kids, prefix, codebook, t: int, width: int) -> tuple:
-    """One expansion: each beam's continuations [B, Wt, M] scored log_softmax(logits + bias) (bias
-    0 / -inf) + the beam's score beam_lp [B, Wt]; the best min(width, Wt M) of a user's, best first
-    -> (their scores, the beams they extend, their codes, their level-(t+1) prefix ids), [B, W]
-    each; code and prefix -1 for a dead (-inf) beam. kids [B, Wt, M] the continuations' codes, or
-    None where they are all C_t codes. One compiled call on the CPU (cpu_kernels.select_beams:
-    ~20 op calls a step fewer), this composition elsewhere; equal scores may come in another order."""
-    kernels = ops.fused_cpu_kernels(logits, bias, beam_lp)
-    B, Wt, M = logits.shape
-    K = min(width, Wt * M)
+class Beams(NamedTuple):
+    """Each user's beams after a step t: [B, W] scores (log-probabilities, -inf = dead) and level-(t+1)
+    prefix ids (-1 = dead), [B, W, t + 1] codes (-1 = dead) and [B, W, D] the sum of their codes'
+    embeddings (what the next query reads; None after the last step)."""
+
+    lp: torch.Tensor
+    prefix: torch.Tensor
+    codes: torch.Tensor
+    prefix_emb: torch.Tensor | None
+
+
+def expand_beams(decoder, codebook, t: int, h: torch.Tensor, beams: Beams, width: int) -> tuple[Beams, torch.Tensor]:
+    """Step t after the head: each live beam's continuations scored from the head's output h
+    [B, Wt, D] (decoder.code_logits, only the codes that continue an existing item), log-softmax
+    over them + the beam's score, the best min(width, Wt M) of a user's (best first), and the beams
+    they make -> (Beams, parent [B, W]: the beam each extends). One compiled call on the CPU
+    (cpu_kernels.expand_beams: ~40 op calls a step fewer); this composition elsewhere (equal
+    scores may come in another order)."""
+    last = t + 1 == decoder.num_steps
+    kernels = ops.fused_cpu_kernels(h, beams.lp)
     if kernels is not None:
-        out = (torch.empty(B, K), *(torch.empty(B, K, dtype=torch.long) for _ in range(3)))
-        kids_np = np.zeros((0, 0, 0), np.int64) if kids is None else kids.contiguous().numpy()
-        kernels.select_beams(logits.contiguous().numpy(), bias.contiguous().numpy(), beam_lp.contiguous().numpy(), kids_np,
-                             prefix.contiguous().numpy(), codebook.child(t).numpy(), *(o.numpy() for o in out))
-        return out
-    scores = torch.log_softmax(logits + bias, dim=-1).add_(beam_lp[:, :, None]).reshape(B, Wt * M)
-    beam_lp, idx = torch.topk(scores, K, dim=1)  # sorted, best first
+        return _expand_compiled(kernels, decoder, codebook, t, h, beams, width, last)
+    kids, bias = codebook.continuations(beams.prefix, t)  # [B, Wt, M]
+    blocks = decoder.node_blocks(t, codebook)
+    nodes = codebook.next_prefixes(beams.prefix, t, kids) if decoder.has_node_output(t) and blocks is None else None
+    parents = (beams.prefix, blocks) if blocks is not None else None
+    logits = decoder.code_logits(h, t, codes=kids, nodes=nodes, parents=parents)  # [B, Wt, M]
+    B, Wt, M = logits.shape
+    scores = torch.log_softmax(logits.float() + bias, dim=-1).add_(beams.lp[:, :, None]).reshape(B, Wt * M)
+    lp, idx = torch.topk(scores, min(width, Wt * M), dim=1)  # sorted, best first
     parent = idx // M
     code = idx % M if kids is None else torch.gather(kids.reshape(B, Wt * M), 1, idx)
-    alive = beam_lp > NEG_INF
-    prefix = codebook.advance(torch.gather(prefix, 1, parent), code, t)
-    return beam_lp, parent, torch.where(alive, code, -1), torch.where(alive, prefix, -1)
+    alive = lp > NEG_INF
+    prefix = torch.where(alive, codebook.advance(torch.gather(beams.prefix, 1, parent), code, t), -1)
+    code = torch.where(alive, code, -1)
+    codes = torch.cat([ops.gather_rows(beams.codes, parent), code[:, :, None]], dim=2)
+    # per-beam state follows its parent (ops.gather_rows: x [B, W_old, ...] -> [B, W_new, ...])
+    prefix_emb = None if last else ops.gather_rows(beams.prefix_emb, parent) + decoder.code_embedding(code, t)
+    return Beams(lp, prefix, codes, prefix_emb), parent
+
+
+def _expand_compiled(kernels, decoder, codebook, t, h, beams, width, last):
+    kids = getattr(codebook, f"kids_{t}")
+    cont_bias = getattr(codebook, f"bias_{t}") if kids is None else getattr(codebook, f"kid_bias_{t}")
+    B, Wt, D = h.shape
+    K = min(width, Wt * cont_bias.shape[1])
+    out_w, out_b, node_emb = decoder.logit_tables(t)
+    new = Beams(torch.empty(B, K), torch.empty(B, K, dtype=torch.long), torch.empty(B, K, t + 1, dtype=torch.long),
+                None if last else torch.empty(B, K, D))
+    parent = torch.empty(B, K, dtype=torch.long)
+    none = np.zeros((0, 0), np.int64)
+    arr = lambda x: x.detach().contiguous().numpy()  # noqa: E731 - the kernel's arguments as numpy
+    kernels.expand_beams(
+        arr(h), arr(out_w), arr(out_b), none if kids is None else arr(kids), arr(cont_bias), arr(codebook.child(t)),
+        np.zeros((0, D), np.float32) if node_emb is None else arr(node_emb), arr(beams.lp), arr(beams.prefix), arr(beams.codes),
+        np.zeros((0, 0, 0), np.float32) if last else arr(beams.prefix_emb),
+        np.zeros((0, 0), np.float32) if last else arr(decoder.code_emb[t].weight),
+        new.lp.numpy(), parent.numpy(), new.prefix.numpy(), new.codes.numpy(),
+        np.zeros((0, 0, 0), np.float32) if last else new.prefix_emb.numpy())
+    return new, parent
 
 
 @torch.no_grad()
@@ -78,29 +116,17 @@ def generate(decoder, codebook, states: torch.Tensor, lengths: torch.Tensor, opt
     user_state = states[torch.arange(B, device=dev), (lengths - 1).clamp_min(0)]  # [B, D] last state
 
     # one start beam per user
-    prefix = torch.zeros(B, 1, dtype=torch.long, device=dev)  # level-t prefix ids (-1 = dead)
-    beam_lp = torch.zeros(B, 1, device=dev)
-    prefix_emb = torch.zeros(B, 1, decoder.d_model, device=dev, dtype=states.dtype)
-    codes = torch.zeros(B, 1, 0, dtype=torch.long, device=dev)
-
+    beams = Beams(lp=torch.zeros(B, 1, device=dev), prefix=torch.zeros(B, 1, dtype=torch.long, device=dev),
+                  codes=torch.zeros(B, 1, 0, dtype=torch.long, device=dev),
+                  prefix_emb=torch.zeros(B, 1, decoder.d_model, device=dev, dtype=states.dtype))
     for t in range(T):
-        x, q = decoder.query(user_state, prefix_emb, t)  # [B, Wt, D], [B, Wt, H, dh]
-        Wt = q.shape[1]
-        attn = policy.attend(t, q, beam_lp)  # [B, Wt, H, dh] over this step's rows of the history
+        x, q = decoder.query(user_state, beams.prefix_emb, t)  # [B, Wt, D], [B, Wt, H, dh]
+        attn = policy.attend(t, q, beams.lp)  # [B, Wt, H, dh] over this step's rows of the history
+        beams, parent = expand_beams(decoder, codebook, t, decoder.head_state(x, attn, t), beams, W)
+        if t + 1 < T:
+            policy.reorder(parent)  # per-beam attention state follows its parent
 
-        # the codes that continue an existing item (a live prefix always has one): [B, Wt, M]
-        # lists where the level's lists are short, else all C_t codes with -inf on the others
-        kids, bias = codebook.continuations(prefix, t)
-        blocks = decoder.node_blocks(t, codebook)
-        nodes = codebook.next_prefixes(prefix, t, kids) if decoder.has_node_output(t) and blocks is None else None
-        parents = (prefix, blocks) if blocks is not None else None
-        logits = decoder.head(x, attn, t, codes=kids, nodes=nodes, parents=parents)  # [B, Wt, M]
-        beam_lp, parent, code, prefix = select_beams(logits.float(), bias, beam_lp, kids, prefix, codebook, t, W)
-        codes = torch.cat([ops.gather_rows(codes, parent), code[:, :, None]], dim=2)
-        if t + 1 < T:  # reorder per-beam state by parent (ops.gather_rows: x [B, W_old, ...] -> [B, W_new, ...])
-            prefix_emb = ops.gather_rows(prefix_emb, parent) + decoder.code_embedding(code, t)
-            policy.reorder(parent)
-
+    beam_lp, prefix, codes = beams.lp, beams.prefix, beams.codes
     items = codebook.items_of(prefix)
     codes = codes.masked_fill((beam_lp == NEG_INF)[:, :, None], -1)  # dead beams name no item
     if items.shape[1] < W:  # fewer candidates than beams (tiny codebooks)

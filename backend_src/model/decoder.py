@@ -242,7 +242,17 @@ class SemanticIdDecoder(nn.Module):
         has node output, either nodes: the level-(t+1) prefix ids of those codes
         (SemanticIdCodebook.next_prefixes), or parents: (the beams' level-t prefix ids, node_blocks)
         when the codes are the level's kids table (SemanticIdCodebook.continuations)."""
-        h = self.head_state(x, attn, step)
+        return self.code_logits(self.head_state(x, attn, step), step, codes, nodes, parents)
+
+    def logit_tables(self, step: int) -> tuple:
+        """(w [C_t, D], b [C_t], node vectors [N + 1, D] or None): what code_logits reads at `step`."""
+        out = self._steps[step].out
+        return out.weight, out.bias, self.node_emb[str(step)].weight if self.has_node_output(step) else None
+
+    def code_logits(self, h: torch.Tensor, step: int, codes: torch.Tensor | None = None, nodes: torch.Tensor | None = None,
+                    parents: tuple | None = None) -> torch.Tensor:
+        """The head's logits (see `head`) read from its normalized output h [B, M, D]:
+        logit(c | p) = w_c . h + b_c [+ e_{p.c} . h]."""
         logits = _linear(h, self._steps[step].out)
         logits = logits if codes is None else torch.gather(logits, -1, codes)
         if self.has_node_output(step):

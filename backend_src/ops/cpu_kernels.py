@@ -182,24 +182,48 @@ def add_node_scores(out, h, nodes, emb, columns):
 
 
 @_njit
-def select_beams(logits, bias, beam_lp, kids, prefix, child, out_lp, out_parent, out_code, out_prefix):
-    """One beam-search expansion (decoding.beam_search.select_beams, whose torch composition is the
-    reference): per user, score = log_softmax(logits + bias) over each beam's M continuations + the
-    beam's score, the best K = out_lp.shape[1] of the Wt M (sorted, best first; equal scores in
-    continuation order), and what they make: the beam each extends, its code (kids[b, w, m], or m
-    where kids is [0, 0, 0]) and its level-(t+1) prefix child[prefix, code]; -1 for both where the
-    new beam is dead (-inf), and for every continuation of a beam none of whose scores is a number.
-    logits, bias [B, Wt, M]; beam_lp, prefix [B, Wt]; child [P_t, C_t]; outputs [B, K]."""
-    B, Wt, M = logits.shape
-    N, K, C = Wt * M, out_lp.shape[1], child.shape[1]
+def expand_beams(h, out_w, out_b, kids, cont_bias, child, node_emb, beam_lp, prefix, codes, prefix_emb, code_emb,
+                 out_lp, out_parent, out_prefix, out_codes, out_emb):
+    """One beam-search step after the decoder's head (decoding.beam_search.expand_beams, whose torch
+    composition is the reference), per user: each live beam's continuations c scored
+    logit = w_c . h + b_c (+ e_{p.c} . h with node output), log_softmax over the beam's
+    continuations + the beam's score; the best K = out_lp.shape[1] of the Wt M (sorted, best first;
+    equal scores in continuation order); and the beams they make: parent, level-(t+1) prefix
+    child[p, c], codes so far + c, prefix embedding + the code's; -1 codes and prefixes for a dead
+    (-inf) beam, whose embedding gains nothing.
+    h [B, Wt, D]; out_w [C, D], out_b [C]; kids [P + 1, M] each prefix's continuations (or
+    [0, 0]: all C codes, M = C) with cont_bias [P + 1, M] 0 / -inf; child [P, C]; node_emb
+    [N + 1, D] (or [0, D]: no node output); beam_lp, prefix [B, Wt]; codes [B, Wt, t];
+    prefix_emb [B, Wt, D] and code_emb [C, D] (or [0, 0, 0] and [0, 0] at the last step)."""
+    B, Wt, D = h.shape
     own_codes = kids.shape[0] == 0
+    M = cont_bias.shape[1]
+    N, K, C, T = Wt * M, out_lp.shape[1], child.shape[1], codes.shape[2]
+    has_nodes, has_emb = node_emb.shape[0] > 0, out_emb.shape[0] > 0
+    dead_row = cont_bias.shape[0] - 1
     scores = np.empty(N, np.float32)
     for b in range(B):
         for w in range(Wt):
-            row = w * M
+            row, p = w * M, prefix[b, w]
+            if beam_lp[b, w] == -np.inf or p < 0:  # a dead beam stays dead
+                for m in range(M):
+                    scores[row + m] = -np.inf
+                continue
+            r = min(p, dead_row)
             top = -np.inf
             for m in range(M):
-                v = logits[b, w, m] + bias[b, w, m]
+                v = -np.inf
+                if cont_bias[r, m] != -np.inf:
+                    c = m if own_codes else kids[r, m]
+                    v = out_b[c]
+                    for d in range(D):
+                        v += out_w[c, d] * h[b, w, d]
+                    if has_nodes:
+                        n = child[p, c]
+                        if n >= 0:
+                            for d in range(D):
+                                v += node_emb[n, d] * h[b, w, d]
+                    v += cont_bias[r, m]
                 scores[row + m] = v
                 top = max(top, v)
             if top == -np.inf or top != top:  # no continuation (or a NaN logit): the beam ends here
@@ -215,17 +239,17 @@ def select_beams(logits, bias, beam_lp, kids, prefix, child, out_lp, out_parent,
         if K < N:  # the K-th best score, then every score above it and, in order, enough equal to it
             threshold = np.partition(scores, N - K)[N - K]
             chosen = np.empty(K, np.int64)
-            c = 0
+            k = 0
             for i in range(N):
                 if scores[i] > threshold:
-                    chosen[c] = i
-                    c += 1
+                    chosen[k] = i
+                    k += 1
             for i in range(N):
-                if c == K:
+                if k == K:
                     break
                 if scores[i] == threshold:
-                    chosen[c] = i
-                    c += 1
+                    chosen[k] = i
+                    k += 1
         else:
             chosen = np.arange(N)
         order = np.argsort(-scores[chosen], kind="mergesort")  # stable: ties stay in continuation order
@@ -233,16 +257,18 @@ def select_beams(logits, bias, beam_lp, kids, prefix, child, out_lp, out_parent,
             i = chosen[order[k]]
             w, m = i // M, i % M
             lp = scores[i]
+            live = lp != -np.inf
+            p = prefix[b, w]
+            c = (m if own_codes else kids[min(p, dead_row), m]) if live else -1
             out_lp[b, k] = lp
             out_parent[b, k] = w
-            code = m if own_codes else kids[b, w, m]
-            p = prefix[b, w]
-            if lp == -np.inf:
-                out_code[b, k] = -1
-                out_prefix[b, k] = -1
-            else:
-                out_code[b, k] = code
-                out_prefix[b, k] = child[p, code] if p >= 0 and 0 <= code < C else -1
+            out_prefix[b, k] = child[p, c] if live and 0 <= c < C else -1
+            for j in range(T):
+                out_codes[b, k, j] = codes[b, w, j]
+            out_codes[b, k, T] = c
+            if has_emb:
+                for d in range(D):
+                    out_emb[b, k, d] = prefix_emb[b, w, d] + (code_emb[c, d] if live else np.float32(0.0))
 
 
 @_njit
