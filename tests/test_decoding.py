@@ -296,7 +296,7 @@ def test_node_output_by_parent_blocks_equals_per_pair(monkeypatch):
         assert torch.allclose(by_blocks.log_probs, per_pair.log_probs, atol=1e-5)
         return by_blocks
 
-    monkeypatch.setenv("GENREC_OPS_BACKEND", "torch")  # the torch composition (the CPU kernel scores pairs)
+    monkeypatch.setenv("GENREC_OPS_BACKEND", "torch")  # the torch composition (the CPU kernel has its own)
     assert dec.node_blocks(1, cb) is not None and dec.node_blocks(2, cb) is not None
     before = both()
     with torch.no_grad():

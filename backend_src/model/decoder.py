@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -163,13 +162,6 @@ class SemanticIdDecoder(nn.Module):
     def has_node_output(self, step: int) -> bool:
         return str(step) in self.node_emb
 
-    @staticmethod
-    def _scores_pairs_on_cpu(weight: torch.Tensor) -> bool:
-        """Whether the CPU kernel scores node output (add_node_scores): outside autograd, on
-        float32 CPU tensors. It reads only the vectors of the slots that name a prefix, which on one
-        core beats every other form (parent blocks: a matrix product over every kid slot)."""
-        return not torch.is_grad_enabled() and ops.fused_cpu_kernels(weight) is not None
-
     def add_node_scores(self, logits: torch.Tensor, h: torch.Tensor, nodes: torch.Tensor, step: int,
                         columns: torch.Tensor | None = None) -> torch.Tensor:
         """logits [..., C] + e_n . h at every slot whose node n >= 0: h [..., D] the head's normalized
@@ -177,18 +169,10 @@ class SemanticIdDecoder(nn.Module):
         columns[..., k] (default k).
 
         On the CPU only the slots that name a prefix are computed: most are pads (on Amazon Beauty
-        1.4 of 15 codes continue a level-2 prefix, 1.1 of 46 the last), in one compiled call
-        (cpu_kernels) outside autograd, else by gathering them. The GPU's path gathers every slot:
-        static shapes, no host read sizing the pairs, so a CUDA graph captures the decode."""
+        1.4 of 15 codes continue a level-2 prefix, 1.1 of 46 the last), and a D-vector gathered per
+        slot was most of node output's cost. The GPU's path gathers every slot: static shapes, no
+        host read sizing the pairs, so a CUDA graph captures the decode."""
         emb = self.node_emb[str(step)]
-        kernels = ops.fused_cpu_kernels(logits, h, emb.weight) if self._scores_pairs_on_cpu(emb.weight) else None
-        if kernels is not None:
-            out = logits.reshape(-1, logits.shape[-1]).clone()
-            own = np.zeros((0, 0), np.int64)  # column k itself
-            cols = own if columns is None else columns.reshape(-1, columns.shape[-1]).contiguous().numpy()
-            rows = lambda t: t.reshape(-1, t.shape[-1]).contiguous().numpy()  # noqa: E731
-            kernels.add_node_scores(out.numpy(), rows(h), rows(nodes), emb.weight.detach().numpy(), cols)
-            return out.view(logits.shape)
         if ops.backend_for(h) != "torch":
             vectors = F.embedding(nodes % emb.num_embeddings, emb.weight, padding_idx=emb.padding_idx)  # -1: zero row
             dots = torch.matmul(vectors, h[..., None])[..., 0]
@@ -209,9 +193,9 @@ class SemanticIdDecoder(nn.Module):
         if not self.has_node_output(step):
             return None
         child = codebook.child(step)
-        weight = self.node_emb[str(step)].weight
-        if child.shape[0] + 1 > NODE_BLOCK_MAX_PARENTS or self._scores_pairs_on_cpu(weight):
+        if child.shape[0] + 1 > NODE_BLOCK_MAX_PARENTS:
             return None
+        weight = self.node_emb[str(step)].weight
         key = (weight.data_ptr(), weight._version)
         cached = self._blocks.get(step)
         if cached is None or cached[0] is not child or cached[1] != key:  # the entry holds child: its identity is safe

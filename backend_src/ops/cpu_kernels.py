@@ -161,26 +161,6 @@ def append_one_event(
             states[b, n, i] = h[i]
 
 
-# ---- the decoder's node output (decoder.py): one compiled call that reads only the vectors of the
-# slots naming a prefix, instead of the torch composition's nonzero, gathers and index_add (or a
-# parent block's matrix product over every kid slot, pads included)
-@_njit
-def add_node_scores(out, h, nodes, emb, columns):
-    """out[r, columns[r, k]] += emb[nodes[r, k]] . h[r] wherever nodes[r, k] >= 0, in place.
-    out [R, C], h [R, D], nodes and columns [R, K] (columns [0, 0]: column k itself)."""
-    R, K = nodes.shape
-    D = h.shape[1]
-    own = columns.shape[0] == 0
-    for r in range(R):
-        for k in range(K):
-            n = nodes[r, k]
-            if n >= 0:
-                acc = np.float32(0.0)
-                for d in range(D):
-                    acc += emb[n, d] * h[r, d]
-                out[r, k if own else columns[r, k]] += acc
-
-
 @_njit
 def expand_beams(h, out_w, out_b, kids, cont_bias, child, node_emb, beam_lp, prefix, codes, prefix_emb, code_emb,
                  out_lp, out_parent, out_prefix, out_codes, out_emb):
