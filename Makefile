@@ -49,25 +49,32 @@ bench: bench-offline bench-served
 bench-offline: setup
 	$(PY) -m perf.bench
 
-# the trained ml-1m model when there is one (make train-ml1m); else latency, which does not depend on
-# training, comes from a one-minute ml-1m model over the first 600 users (histories up to 512 events)
-ifneq ($(wildcard $(RUNS)/ml1m/model.pt),)
-BENCH_MODEL := $(RUNS)/ml1m/model.pt
-BENCH_USERS :=
-else
-BENCH_MODEL := $(RUNS)/bench/model.pt
-BENCH_USERS := --max-users 600
-endif
+# The served benchmark measures what ships: the recipe's models with every expert on (the fused
+# order's weights for lists without seen items). Amazon Beauty (history 50) is `python -m export.train`
+# as a user runs it; ML-1M is the recipe at histories up to 2048 (its latency, not its quality: a
+# 10-minute run, batches of 32 at that length). BASELINE_REF=<commit>: the same models served by that
+# commit's code side by side, every measurement in turn.
+RECIPE_BEAUTY := $(RUNS)/beauty/model.pt
+RECIPE_LONG   := $(RUNS)/ml1m-recipe/model.pt
+
+$(RECIPE_BEAUTY): | setup
+	$(PY) -m export.train --data amazon-beauty --out $@
+
+$(RECIPE_LONG): | setup
+	$(PY) -m export.train --data ml-1m --recipe --max-len 2048 --batch-size 32 --minutes 10 --valid-users 200 \
+		--test-users 200 --out $@
 
 $(RUNS)/bench/model.pt: | setup
 	$(PY) -m export.train --data ml-1m --max-len 512 --epochs 1 --minutes 1 --max-users 600 \
 		--valid-users 50 --test-users 50 --out $@
 
-# BASELINE_REF=<commit>: also serve the model with that commit's code and compare throughput, in turn
-bench-served: setup $(LOCUST_VENV)/.installed $(BENCH_MODEL)
-	$(SHARED_CORES) $(PY) -m perf.served --checkpoint $(BENCH_MODEL) --data ml-1m $(BENCH_USERS) --beam-width 100 --pfa-k 256 \
-		$(if $(QUICK),--quick) $(if $(BASELINE_REF),--baseline-ref $(BASELINE_REF)) --locust --locust-bin $(LOCUST_VENV)/bin/locust \
-		--out perf/results/served_ml1m.json
+SERVED = $(SHARED_CORES) $(PY) -m perf.served --beam-width 100 --pfa-k 256 --exclude-seen $(if $(QUICK),--quick) \
+		$(if $(BASELINE_REF),--baseline-ref $(BASELINE_REF))
+bench-served: setup $(LOCUST_VENV)/.installed $(RECIPE_BEAUTY) $(RECIPE_LONG)
+	$(SERVED) --checkpoint $(RECIPE_BEAUTY) --data amazon-beauty --histories 50 --check-users 0 \
+		--locust --locust-bin $(LOCUST_VENV)/bin/locust --out perf/results/served_recipe.json
+	$(SERVED) --checkpoint $(RECIPE_LONG) --data ml-1m --histories 50 512 2048 --requests 100 \
+		--out perf/results/served_recipe_long.json
 	$(PY) -m perf.report
 
 ## sessions at scale (100,000 users, a 1,000,000-user log), under faults, and the event log's cost (~40 min)

@@ -91,9 +91,10 @@ def data_name(spec: str) -> str:
 
 def resolve_settings(args, data) -> dict:
     """Fill in every setting no flag gave (args attributes left None): a benchmark configuration's
-    for the data sets that have one, else the recipe's, with the history length and the item
-    embeddings by rule. Returns the settings filled in."""
-    settings = BENCHMARK_CONFIGS.get(data_name(args.data)) or dict(
+    for the data sets that have one (unless --recipe), else the recipe's, with the history length
+    and the item embeddings by rule. Returns the settings filled in."""
+    small = None if getattr(args, "recipe", False) else BENCHMARK_CONFIGS.get(data_name(args.data))
+    settings = small or dict(
         RECIPE, max_len=history_length(data), item_embeddings=item_embedding_source(data))
     filled = {}
     for key, value in settings.items():
@@ -109,6 +110,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", default="synthetic", help="data set name under ../shared/data, a path, or 'synthetic'")
     p.add_argument("--out", default=None, help="checkpoint path (.pt; default runs/<data set name>/model.pt)")
+    p.add_argument("--recipe", action="store_true",
+                   help="the recipe's settings also for a data set with a benchmark configuration (synthetic, ml-100k, ml-1m)")
     p.add_argument("--minutes", type=float, default=None,
                    help=f"time cap of the run (recipe: {RECIPE['minutes']:g}; 0: none)")
     p.add_argument("--epochs", type=int, help=f"epochs (recipe: {RECIPE['epochs']}), the cosine schedule's length")

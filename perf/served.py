@@ -14,9 +14,12 @@ model repository with the checkpoint published into it.
     served - in-process - floor; with a per-stage breakdown from Triton's statistics (queue, compute input / infer /
     output) of the server and of the floor;
 (c) with --baseline-ref REF: the same checkpoint published and served by the code of commit REF,
-    perf_analyzer at concurrency 8 against both servers in turn (throughput side by side);
+    beside this code's server all along: every perf_analyzer concurrency of (a) on both in turn,
+    and its requests in (b)'s turns;
 (d) with --locust: locust (from its own environment) replays user sessions (open, appends,
-    close) for a bounded time; its CSV statistics go into the result.
+    close) for a bounded time; its CSV statistics go into the result;
+(e) the per-phase profile of the three stages run in this process (perf.request_profile), and with
+    --check-users the served lists against the offline model's (perf.served_eval).
 
     python -m perf.served --checkpoint runs/demo/model.pt --data synthetic [--quick] [--locust]
 
@@ -287,7 +290,8 @@ class InProcess:
     ("model": encode or append, and recommend), and with `parts` the stages' shares, the decoder's
     being the retrieval alone run once more after the request."""
 
-    def __init__(self, model, events: tuple, options, top_k: int, threads: int, log_path: Path, durability: str):
+    def __init__(self, model, events: tuple, options, top_k: int, threads: int, log_path: Path, durability: str,
+                 exclude_seen: bool = False):
         from concurrent.futures import ThreadPoolExecutor
 
         import torch
@@ -295,7 +299,7 @@ class InProcess:
         from backend_src.serving.event_log import WRITE_ASIDE_EVENTS, open_event_log
 
         torch.set_num_threads(threads)
-        self.torch, self.model, self.options, self.top_k = torch, model, options, top_k
+        self.torch, self.model, self.options, self.top_k, self.exclude_seen = torch, model, options, top_k, exclude_seen
         self.raw, actions, ts = events
         self.actions, self.timestamps = np.asarray(actions, dtype=np.int64), np.asarray(ts, dtype=np.int64)
         self.act, self.tim = torch.from_numpy(self.actions)[None], torch.from_numpy(self.timestamps)[None]
@@ -348,7 +352,8 @@ class InProcess:
             else:
                 cache, model_ms = self.cache, 0.0
             t1 = time.perf_counter()
-            m.recommend(cache, self.options, top_k=self.top_k, history_items=self.history)  # as the stages call it
+            m.recommend(cache, self.options, top_k=self.top_k, history_items=self.history,
+                        exclude_seen=self.exclude_seen)  # as the stages call it
             t2 = time.perf_counter()
             if parts:
                 m.retrieve(cache, self.options)
@@ -409,39 +414,47 @@ class ServedKinds:
 # equally often. What ran just before (the in-process work, or a request through the server's
 # processes) sets how cold a measurement's caches are; one fixed order would always give one of
 # them the heaviest predecessor.
-TURN_ORDERS = tuple(itertools.permutations(("served", "floor", "in_process")))
+def turn_orders(names) -> tuple:
+    return tuple(itertools.permutations(names))
 
 
 def latency_rows(model, data, url: str, floor_url: str, histories, options: dict, decode_options, top_k: int,
-                 requests: int, threads: int, log_dir: Path, durability: str) -> tuple:
-    """One row per (kind, history): served, in-process and floor p50/p99, measured in turn request
-    by request (each sees the same noise, and follows each of the others equally often), the
-    in-process work once more back to back (warm: the best it does alone), and a breakdown per
-    stage from Triton's statistics. The in-process request writes its events to a durable log in
-    `log_dir` as the server does; its model's share alone is kept beside it."""
+                 requests: int, threads: int, log_dir: Path, durability: str, baseline_url: str | None = None) -> tuple:
+    """One row per (kind, history): served, in-process and floor p50/p99 (and with `baseline_url`
+    the same requests served by an earlier commit's code), measured in turn request by request
+    (each sees the same noise, and follows each of the others equally often), the in-process work
+    once more back to back (warm: the best it does alone), and a breakdown per stage from Triton's
+    statistics. The in-process request writes its events to a durable log in `log_dir` as the
+    server does; its model's share alone is kept beside it."""
     rows, breakdown = [], []
     tag = uuid.uuid4().hex[:8]
     for n in histories:
         events = long_history(data, n)
-        local = InProcess(model, events, decode_options, top_k, threads, log_dir / f"in-process-{n}.sqlite3", durability)
+        local = InProcess(model, events, decode_options, top_k, threads, log_dir / f"in-process-{n}.sqlite3", durability,
+                          exclude_seen=bool(options.get("exclude_seen")))
         served = ServedKinds(url, events, options, f"perf-{tag}-{n}")
         floor = ServedKinds(floor_url, events, options, f"floor-{tag}-{n}")
+        measure = {"served": served, "floor": floor, "in_process": local}
+        if baseline_url:
+            measure["baseline"] = ServedKinds(baseline_url, events, options, f"base-{tag}-{n}")
+        orders = turn_orders(measure)
         try:
-            measure = {"served": served, "floor": floor, "in_process": local}
             for kind in KINDS:
-                samples = {"served": [], "floor": [], "in_process": [], "in_process_model": []}
+                samples = {"served": [], "floor": [], "in_process": [], "in_process_model": [], "baseline": []}
                 parts = []
                 for r in range(requests + 3):  # three warm-up rounds
-                    took = {name: measure[name](kind) for name in TURN_ORDERS[r % len(TURN_ORDERS)]}
+                    took = {name: measure[name](kind) for name in orders[r % len(orders)]}
                     if r >= 3:
                         samples["served"].append(took["served"])
                         samples["floor"].append(took["floor"])
+                        if baseline_url:
+                            samples["baseline"].append(took["baseline"])
                         samples["in_process"].append(took["in_process"]["total"])
                         samples["in_process_model"].append(took["in_process"]["model"])
                         parts.append(took["in_process"])
                 # the same work again back to back in this process: warm caches, no other process between
                 samples["in_process_warm"] = [local(kind, parts=False)["total"] for _ in range(requests)]
-                st = {k: pct(v) for k, v in samples.items()}
+                st = {k: pct(v) for k, v in samples.items() if v}
                 row = {"kind": kind, "history": n, "requests": requests,
                        "served_p50_ms": st["served"]["p50_ms"], "served_p99_ms": st["served"]["p99_ms"],
                        "in_process_p50_ms": st["in_process"]["p50_ms"], "in_process_p99_ms": st["in_process"]["p99_ms"],
@@ -452,7 +465,10 @@ def latency_rows(model, data, url: str, floor_url: str, histories, options: dict
                 row["overhead_vs_model_p50_ms"] = row["served_p50_ms"] - row["in_process_model_p50_ms"] - row["floor_p50_ms"]
                 row["overhead_p50_ci95_ms"] = overhead_ci95(samples["served"], samples["in_process"], samples["floor"])
                 row["overhead_vs_warm_p50_ms"] = row["served_p50_ms"] - row["in_process_warm_p50_ms"] - row["floor_p50_ms"]
-                row["goal_met"] = bool(row["overhead_p50_ms"] <= 1.0 and row["served_p99_ms"] <= 1.5 * row["served_p50_ms"])
+                if baseline_url:
+                    row["baseline_served_p50_ms"] = st["baseline"]["p50_ms"]
+                    row["baseline_served_p99_ms"] = st["baseline"]["p99_ms"]
+                    row["served_p50_vs_baseline"] = row["served_p50_ms"] / row["baseline_served_p50_ms"]
                 rows.append(row)
                 served_stats, floor_stats = _per_request_ms(served.stats[kind]), _per_request_ms(floor.stats[kind])
                 for stage in (P.ENSEMBLE,) + P.PYTHON_MODELS:
@@ -466,13 +482,13 @@ def latency_rows(model, data, url: str, floor_url: str, histories, options: dict
                         b[f"floor_{k}"] = fl[k] if fl else None
                     breakdown.append(b)
                 lo, hi = row["overhead_p50_ci95_ms"]
-                log(f"  {kind:9s} history {n:4d}: served {row['served_p50_ms']:.2f} ms p50 / {row['served_p99_ms']:.2f} p99, "
+                base = f", baseline {row['baseline_served_p50_ms']:.2f}" if baseline_url else ""
+                log(f"  {kind:9s} history {n:4d}: served {row['served_p50_ms']:.2f} ms p50 / {row['served_p99_ms']:.2f} p99{base}, "
                     f"in-process {row['in_process_p50_ms']:.2f}, floor {row['floor_p50_ms']:.2f}: "
                     f"overhead {row['overhead_p50_ms']:+.2f} ms (95% CI {lo:+.2f} to {hi:+.2f})")
         finally:
-            served.close()
-            floor.close()
-            local.close()
+            for m in measure.values():
+                m.close()
     return rows, breakdown
 
 
@@ -591,25 +607,6 @@ def baseline_server(ref: str, checkpoint, workdir: Path, visit_idle_s: float):
         yield server
 
 
-def compare_throughput(urls: dict, input_json: Path, concurrency: int, steps: int, env: dict, workdir: Path,
-                       interval_ms: int, rounds: int = 2) -> dict:
-    """perf_analyzer at one concurrency against each server in turn, `rounds` times; the median
-    throughput and p99 of each, and the ratio to the first."""
-    runs = {name: [] for name in urls}
-    for r in range(rounds):
-        for i, (name, url) in enumerate(urls.items()):
-            log(f"perf_analyzer concurrency {concurrency}, {name} (round {r + 1}) ...")
-            runs[name].append(run_perf_analyzer(url, input_json, concurrency, steps, env, workdir / f"ab_{name}_{r}.csv",
-                                                interval_ms, id_start=100_000_000 * (2 + r * len(urls) + i)))
-    out = {name: {"throughput_per_s": float(np.median([x["throughput_per_s"] for x in rs])),
-                  "p50_ms": float(np.median([x["p50_ms"] for x in rs])), "p99_ms": float(np.median([x["p99_ms"] for x in rs])),
-                  "runs": rs} for name, rs in runs.items()}
-    first = next(iter(out.values()))["throughput_per_s"]
-    for v in out.values():
-        v["throughput_ratio"] = v["throughput_per_s"] / first
-    return out
-
-
 def throughput_at_p99(rows: list, limit_ms: float = 50.0) -> float | None:
     """The highest perf_analyzer throughput whose p99 stays under `limit_ms`."""
     ok = [r["throughput_per_s"] for r in rows if r.get("p99_ms") is not None and r["p99_ms"] <= limit_ms]
@@ -648,6 +645,12 @@ def parse_args(argv=None):
     ap.add_argument("--mode", default="pfa")
     ap.add_argument("--pfa-k", type=int, default=256)
     ap.add_argument("--top-k", type=int, default=10)
+    ap.add_argument("--exclude-seen", action="store_true",
+                    help="lists without the history's items (the fused order's weights for that policy: every expert on)")
+    ap.add_argument("--profile-requests", type=int, default=100,
+                    help="requests of each kind in the per-phase profile of the stages (perf.request_profile; 0: none)")
+    ap.add_argument("--check-users", type=int, default=None,
+                    help="also serve the test split's first N users (0: all) and count the lists equal to the offline model's")
     ap.add_argument("--requests", type=int, default=200, help="requests per kind and history in (b)")
     ap.add_argument("--ranker-backend", default="auto", choices=["auto", "torch", "onnx"],
                     help="served ranker runtime (torch = the same computation as in-process)")
@@ -663,7 +666,6 @@ def parse_args(argv=None):
     ap.add_argument("--baseline-ref", default=None,
                     help="also serve the checkpoint with the code of this git commit and compare throughput at "
                          "--baseline-concurrency, the two servers measured in turn")
-    ap.add_argument("--baseline-concurrency", type=int, default=8)
     ap.add_argument("--quick", action="store_true", help="short runs (concurrency 1,2,4; few requests)")
     ap.add_argument("--out", default=None)
     return ap.parse_args(argv)
@@ -689,7 +691,7 @@ def main(argv=None) -> int:
     from backend_src.model.recommender import GenerativeRecommender
     from export.triton_configs import ServingOptions
     from perf.floor import floor_server
-    from perf.served_eval import local_server
+    from perf.served_eval import local_server, served_eval
 
     if not Path(a.checkpoint).exists():
         log(f"no checkpoint at {a.checkpoint}: run `make demo` (or export.train) first, or pass --checkpoint")
@@ -720,6 +722,8 @@ def main(argv=None) -> int:
                     "serving": {"ranker_backend": a.ranker_backend, "torch_threads": a.torch_threads,
                                 "instances": [serving.encoder_instances, serving.decoder_instances, serving.ranker_instances],
                                 "max_queue_delay_us": serving.max_queue_delay_us}}
+    if a.exclude_seen:
+        options["exclude_seen"] = True
     rows = []
     work = Path(tempfile.mkdtemp(prefix="genrec-perf-", dir=scratch_parent()))
     try:
@@ -728,71 +732,77 @@ def main(argv=None) -> int:
             raise SystemExit(f"no user of {data.name} has {a.steps + 1} events: lower --steps")
         log(f"starting tritonserver ({a.checkpoint}) and the floor (no-op stages) ...")
         t0 = time.monotonic()
-        with local_server(a.checkpoint, serving, export_ranker=a.ranker_backend != "torch") as server, \
-                floor_server(model.cfg, serving) as floor:
-            log(f"servers ready in {time.monotonic() - t0:.1f} s at {server.grpc_url} and {floor.grpc_url}")
+        with contextlib.ExitStack() as stack:
+            server = stack.enter_context(local_server(a.checkpoint, serving, export_ranker=a.ranker_backend != "torch"))
+            floor = stack.enter_context(floor_server(model.cfg, serving))
+            servers = {"this": server.grpc_url}
+            if a.baseline_ref:  # (c) the same checkpoint served by the code of an earlier commit, side by side
+                log(f"publishing with the code of {a.baseline_ref} ...")
+                base = stack.enter_context(baseline_server(a.baseline_ref, a.checkpoint, work, serving.visit_idle_s))
+                servers[a.baseline_ref] = base.grpc_url
+            log(f"servers ready in {time.monotonic() - t0:.1f} s: {servers}, floor {floor.grpc_url}")
             url = server.grpc_url
 
-            # (a) perf_analyzer over sequences of real sessions
+            # (a) perf_analyzer over sequences of real sessions, each concurrency on every server in turn
             input_json = work / "perf_input.json"
             input_json.write_text(json.dumps(sequence_input_data(streams, options)))
             env = perf_analyzer_env(work / "lib")
             ok, why = perf_analyzer_usable(env)
-            pa_rows = []
+            pa_rows = {name: [] for name in servers}
             if not ok:
                 log(f"perf_analyzer skipped: {why}")
                 result["perf_analyzer"] = {"skipped": why}
             else:
-                def at(c: int) -> dict | None:
-                    log(f"perf_analyzer concurrency {c} ...")
+                def at(name: str, c: int) -> dict | None:
+                    log(f"perf_analyzer concurrency {c} ({name}) ...")
+                    done = pa_rows[name]
                     try:
-                        row = run_perf_analyzer(url, input_json, c, a.steps, env, work / f"pa_c{c}.csv", interval_ms,
-                                                id_start=1_000_000 * (len(pa_rows) + 1))
+                        row = run_perf_analyzer(servers[name], input_json, c, a.steps, env, work / f"pa_{len(done)}_{c}.csv",
+                                                interval_ms, id_start=1_000_000 * (sum(map(len, pa_rows.values())) + 1))
                     except (RuntimeError, subprocess.TimeoutExpired) as e:
                         log(str(e))
-                        pa_rows.append({"concurrency": c, "error": str(e)[-500:]})
+                        done.append({"concurrency": c, "error": str(e)[-500:]})
                         return None
-                    pa_rows.append(row)
-                    rows.append({"part": "a", "what": f"perf_analyzer sequences, concurrency {c}", **{k: row[k] for k in
-                                 ("concurrency", "throughput_per_s", "p50_ms", "p95_ms", "p99_ms")}})
+                    done.append(row)
+                    rows.append({"part": "a" if name == "this" else "c", "what": f"perf_analyzer sequences, {name}, concurrency {c}",
+                                 **{k: row[k] for k in ("concurrency", "throughput_per_s", "p50_ms", "p95_ms", "p99_ms")}})
                     return row
 
-                for c in a.concurrency:
-                    at(c)
-                bisect_p99_limit(at, [r for r in pa_rows if "error" not in r])  # the concurrency at the 50 ms p99 limit
-                pa_rows.sort(key=lambda r: r["concurrency"])
-                rows.sort(key=lambda r: (r["part"], r.get("concurrency", 0)))
-                result["perf_analyzer"] = {"rows": pa_rows, "sequence": {"steps": a.steps, "open_events": f"<= {open_hist}",
+                for i, c in enumerate(a.concurrency):
+                    for name in (list(servers) if i % 2 == 0 else list(servers)[::-1]):
+                        at(name, c)
+                for name in servers:  # the concurrency at the 50 ms p99 limit, on each server
+                    bisect_p99_limit(lambda c, name=name: at(name, c), [r for r in pa_rows[name] if "error" not in r])
+                    pa_rows[name].sort(key=lambda r: r["concurrency"])
+                rows.sort(key=lambda r: (r["part"], r["what"].split(",")[1], r.get("concurrency", 0)))
+                result["perf_analyzer"] = {"rows": pa_rows["this"], "sequence": {"steps": a.steps, "open_events": f"<= {open_hist}",
                                            "append_events": 1, "sessions": len(streams)}, "interval_ms": interval_ms}
-                result["throughput_at_p99_50ms"] = throughput_at_p99([r for r in pa_rows if "error" not in r])
+                result["throughput_at_p99_50ms"] = throughput_at_p99([r for r in pa_rows["this"] if "error" not in r])
+                if a.baseline_ref:
+                    done = [r for r in pa_rows[a.baseline_ref] if "error" not in r]
+                    result["baseline"] = {"ref": a.baseline_ref, "perf_analyzer": pa_rows[a.baseline_ref]}
+                    result["baseline_throughput_at_p99_50ms"] = throughput_at_p99(done)
 
-            # (b) every request kind in-process, served and on the floor, one request of each in turn
+            # (b) every request kind in-process, served (and by the baseline) and on the floor, one request of each in turn
             log(f"latency per request kind, histories {histories}, {a.requests} requests each ...")
             latency, breakdown = latency_rows(model, data, url, floor.grpc_url, histories, options, decode, a.top_k,
-                                              a.requests, a.torch_threads, work, serving.log_durability)
+                                              a.requests, a.torch_threads, work, serving.log_durability,
+                                              baseline_url=servers.get(a.baseline_ref))
             result["latency_rows"] = latency
             result["breakdown"] = breakdown
             for r in latency:
                 rows.append({"part": "b", "what": f"{r['kind']}, history {r['history']}", "concurrency": 1,
                              "p50_ms": r["served_p50_ms"], "p99_ms": r["served_p99_ms"], "in_process_p50_ms": r["in_process_p50_ms"],
-                             "floor_p50_ms": r["floor_p50_ms"], "overhead_p50_ms": r["overhead_p50_ms"]})
+                             "floor_p50_ms": r["floor_p50_ms"], "overhead_p50_ms": r["overhead_p50_ms"],
+                             "baseline_p50_ms": r.get("baseline_served_p50_ms")})
 
-            # (c) the same sessions against an earlier commit's code, in turn
-            if a.baseline_ref and ok:
-                log(f"publishing with the code of {a.baseline_ref} ...")
-                try:
-                    with baseline_server(a.baseline_ref, a.checkpoint, work, serving.visit_idle_s) as base:
-                        ab = compare_throughput({a.baseline_ref: base.grpc_url, "this": url}, input_json,
-                                                a.baseline_concurrency, a.steps, env, work, interval_ms)
-                except RuntimeError as e:  # the rest of the run is kept
-                    log(str(e))
-                    result["baseline"], ab = {"ref": a.baseline_ref, "error": str(e)}, {}
-                else:
-                    result["baseline"] = {"ref": a.baseline_ref, "concurrency": a.baseline_concurrency, "servers": ab}
-                for name, v in ab.items():
-                    rows.append({"part": "c", "what": f"perf_analyzer sequences, {name}", "concurrency": a.baseline_concurrency,
-                                 "throughput_per_s": v["throughput_per_s"], "p50_ms": v["p50_ms"], "p99_ms": v["p99_ms"],
-                                 "throughput_ratio": v["throughput_ratio"]})
+            # the served lists against the offline model's
+            if a.check_users is not None:
+                log(f"served against offline lists, {a.check_users or 'all'} test users ...")
+                check = served_eval(model, data, url, a.check_users or None, decode, a.top_k, exclude_seen=a.exclude_seen)
+                result["served_equals_offline"] = check
+                result["served_equals_offline_users"] = round(check["same_list_fraction"] * check["users"])
+                result["checked_users"] = check["users"]
 
             # (d) locust
             if a.locust:
@@ -816,15 +826,24 @@ def main(argv=None) -> int:
                         log(str(e))
                         result["locust"] = {"error": str(e)[-800:]}
             result["host_load"] = list(os.getloadavg())
+        if a.profile_requests:  # (e) the stages in this process, phase by phase (no server running)
+            from perf.request_profile import profile, table
+            log(f"per-phase profile of the stages, {a.profile_requests} requests of each kind ...")
+            result["profile"] = []
+            for n in histories:
+                result["profile"] += profile(a.checkpoint, serving, long_history(data, n), options, a.profile_requests,
+                                             a.torch_threads)
+            print(table(result["profile"]))
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
     out = Path(a.out or RESULTS_DIR / f"served_{Path(a.data.split(':')[0]).name}{'_quick' if a.quick else ''}.json")
     write_result(out, rows, quick=a.quick, **result)
-    cols = ["part", "what", "concurrency", "throughput_per_s", "throughput_ratio", "p50_ms", "p99_ms", "in_process_p50_ms",
+    cols = ["part", "what", "concurrency", "throughput_per_s", "p50_ms", "p99_ms", "baseline_p50_ms", "in_process_p50_ms",
             "floor_p50_ms", "overhead_p50_ms"]
     print(markdown_table(rows, cols, floatfmt=".2f"))
-    print(f"\nthroughput at p99 <= 50 ms: {result.get('throughput_at_p99_50ms')} requests/s")
+    print(f"\nthroughput at p99 <= 50 ms: {result.get('throughput_at_p99_50ms')} requests/s"
+          + (f" (baseline {result.get('baseline_throughput_at_p99_50ms')})" if a.baseline_ref else ""))
     print(f"result: {out}")
     return 0
 
