@@ -4,7 +4,8 @@
 the Triton-lang kernels, one module per op family, used for CUDA tensors when Triton is importable
 (or everywhere when ``GENREC_OPS_BACKEND=triton`` with ``TRITON_INTERPRET=1``, which is how the CPU
 tests run them); ``dispatch`` makes the choice.
-``cpu_kernels`` (numba) fuses the encoder's one-event append into one call on the CPU.
+``cpu_kernels`` (numba) fuses, on the CPU, the encoder's one-event append, a beam-search step after the
+decoder head's layers, and the co-visitation lookup, each into one call.
 """
 from backend_src.ops.dispatch import (  # noqa: F401
     attention_probs,

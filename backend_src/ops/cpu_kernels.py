@@ -1,5 +1,7 @@
-"""Fused CPU kernel (numba) of the HSTU encoder's streaming step: one new event per user, all
-layers in one compiled call.
+"""Fused CPU kernels (numba): work that eager torch does in dozens of small op calls, each paying
+dispatch, done in one compiled call. The HSTU encoder's streaming step (one new event per user, all
+layers); a beam-search step after the decoder head's layers (``expand_beams``); the co-visitation
+lookup (``covisit_scores``). Each has its torch composition as the reference, compared in tests.
 
 Appending one event costs about 10^5 multiply-adds, but in eager torch it is ~130 small op
 calls (embedding, per layer LayerNorm, f1, the bias lookups, two attention products, the gate,

@@ -1,6 +1,6 @@
 """Backend choice for each op call, made here and only here (``kernels_for``): the Triton kernels
-for GPU tensors they support, the torch reference otherwise; the numba CPU kernel of the encoder's
-one-event append where it applies (``fused_cpu_kernels``)."""
+for GPU tensors they support, the torch reference otherwise; the numba CPU kernels where they apply
+(``fused_cpu_kernels``: the encoder's one-event append, a beam-search step, the co-visitation lookup)."""
 from __future__ import annotations
 
 import functools

@@ -43,6 +43,8 @@ class DecoderStage:
         # options captured here; on a CPU it runs eagerly, unpadded
         self.graphs = DecodeGraphs(self.model, max_history=self.limits.max_history)
         self.graphs.warmup(self.defaults)
+        with torch.inference_mode():  # one decode now: the CPU's compiled kernels build here, not in a request
+            self.graphs.retrieve(torch.zeros(1, 1, cfg.d_model), torch.ones(1, dtype=torch.long), self.defaults)
         self.default_top_k = int(params.get("top_k", 10))
 
     def _read(self, request: StageRequest):

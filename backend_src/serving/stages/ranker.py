@@ -68,6 +68,8 @@ class RankerStage:
         # the routing is timed on one call of the default beam's candidates
         one_call = min(self.microbatch, V.decode_defaults(params).beam_width)
         self.runtime = RankerRuntime.from_version_dir(version_dir, self.model, backend=backend, candidates=one_call)
+        one = torch.ones(1, 1, dtype=torch.long)
+        self.model.covisit_scores(one, one)  # the CPU's compiled lookup builds here, not in a request
 
     def _read(self, request: StageRequest) -> Ranking:
         read = lambda spec: V.read_input(request.inputs, spec, self.sizes, self.max_elements)  # noqa: E731
