@@ -43,7 +43,7 @@ class ServingOptions:
     decoder_max_batch_size: int = 16
     ranker_max_batch_size: int = 16
     # 0: a stage takes what has queued while it was busy and never waits for more; at concurrency 1
-    # any delay is added to every request at every stage (perf/results/served_ml1m.json)
+    # any delay is added to every request at every stage (perf/results/served_ml1m_queue_delay_1000us.json)
     max_queue_delay_us: int = 0
     # request defaults and limits
     decode: DecodeOptions = field(default_factory=DecodeOptions)  # the PFA paper's: pfa, beam 100, k 256, r 0.5, s 1
