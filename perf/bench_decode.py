@@ -232,12 +232,15 @@ def parse_args(argv=None):
 
 
 # where a decode's time goes: phase -> the calls of ``generate`` timed under it (the ops module's
-# attention ops, the decoder's methods); the rest of the decode is its beam bookkeeping
+# attention ops, the decoder's methods); the rest of the decode is its beam bookkeeping. On the CPU
+# the code scores are part of the compiled expansion (cpu_kernels.expand_beams), so they count as
+# bookkeeping there; the torch composition's code_logits and code_embedding count as beam layers.
 PHASES = {
     "history_attention": [(ops, "decode_attention"), (ops, "pfa_select_rows"), (ops, "dynamic_topk_attention"),
                           ("decoder", "attend_states")],
     "kv_projection": [("decoder", "project_step")],
-    "beam_layers": [("decoder", "query"), ("decoder", "head"), ("decoder", "code_embedding")],
+    "beam_layers": [("decoder", "query"), ("decoder", "head_state"), ("decoder", "code_logits"),
+                    ("decoder", "code_embedding")],
 }
 
 

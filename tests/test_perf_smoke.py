@@ -148,7 +148,7 @@ def test_phase_timer_restores_the_decoder():
         expected = generate(decoder, codebook, states, lengths, opts).item_ids
         times = phase_times_ms(lambda: generate(decoder, codebook, states, lengths, opts), decoder, runs=2)
         assert times["history_attention"] > 0 and times["beam_layers"] > 0 and times["total"] > 0
-        assert ops.decode_attention is original and not {"head", "query", "project_step"} & set(vars(decoder))
+        assert ops.decode_attention is original and not {"head_state", "query", "project_step"} & set(vars(decoder))
         assert torch.equal(generate(decoder, codebook, states, lengths, opts).item_ids, expected)
 
 

@@ -296,6 +296,10 @@ def test_the_recipe_fills_what_no_flag_gives():
     assert (args.d_model, args.max_len, args.codebook, args.minutes) == (64, 512, (64, 64, 64), 28)
     assert args.item_embeddings == "auto" and args.code_embeddings == 0  # as its recorded results were trained
     assert args.node_output is False and args.covisit_window == 0
+    args = train_cli.parse_args(["--data", "ml-1m", "--recipe", "--max-len", "2048"])  # the recipe, not the benchmark's
+    train_cli.resolve_settings(args, with_text)
+    assert (args.d_model, args.max_len, args.codebook, args.node_output) == (96, 2048, (256, 256, 256), True)
+    assert args.covisit_window == 3 and args.item_embeddings == "text-encoder"
     args = train_cli.parse_args(["--data", "amazon-beauty", "--minutes", "0"])
     train_cli.resolve_settings(args, events([7] * 100))
     assert args.minutes is None  # no time cap
