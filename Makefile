@@ -43,17 +43,10 @@ test-fast: setup
 demo: setup
 	$(SHARED_CORES) $(PY) -m examples.demo --data $(DATA) --dir $(RUNS)/demo
 
-## bench: offline benchmarks (decode, ranking, caching), then the served ones (perf_analyzer, locust)
-bench: bench-offline bench-served
-
-bench-offline: setup
-	$(PY) -m perf.bench
-
-# The served benchmark measures what ships: the recipe's models with every expert on (the fused
-# order's weights for lists without seen items). Amazon Beauty (history 50) is `python -m export.train`
-# as a user runs it; ML-1M is the recipe at histories up to 2048 (its latency, not its quality: a
-# 10-minute run, batches of 32 at that length). BASELINE_REF=<commit>: the same models served by that
-# commit's code side by side, every measurement in turn.
+# The benchmarks measure what ships: the recipe's models (served: every expert on, the fused order's
+# weights for lists without seen items). Amazon Beauty (history 50) is `python -m export.train` as a
+# user runs it; ML-1M is the recipe at histories up to 2048 (its latency, not its quality: a 10-minute
+# run, batches of 32 at that length).
 RECIPE_BEAUTY := $(RUNS)/beauty/model.pt
 RECIPE_LONG   := $(RUNS)/ml1m-recipe/model.pt
 
@@ -64,10 +57,18 @@ $(RECIPE_LONG): | setup
 	$(PY) -m export.train --data ml-1m --recipe --max-len 2048 --batch-size 32 --minutes 10 --valid-users 200 \
 		--test-users 200 --out $@
 
+## bench: offline benchmarks (decode, ranking, caching), then the served ones (perf_analyzer, locust)
+bench: bench-offline bench-served
+
+bench-offline: setup $(RECIPE_LONG)
+	$(PY) -m perf.bench
+	$(PY) -m perf.bench_decode --checkpoint $(RECIPE_LONG) --reps 21 --phase-runs 10
+
 $(RUNS)/bench/model.pt: | setup
 	$(PY) -m export.train --data ml-1m --max-len 512 --epochs 1 --minutes 1 --max-users 600 \
 		--valid-users 50 --test-users 50 --out $@
 
+# BASELINE_REF=<commit>: the same models served by that commit's code side by side, every measurement in turn
 SERVED = $(SHARED_CORES) $(PY) -m perf.served --beam-width 100 --pfa-k 256 --exclude-seen $(if $(QUICK),--quick) \
 		$(if $(BASELINE_REF),--baseline-ref $(BASELINE_REF))
 bench-served: setup $(LOCUST_VENV)/.installed $(RECIPE_BEAUTY) $(RECIPE_LONG)

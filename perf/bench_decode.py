@@ -19,6 +19,7 @@ import argparse
 import math
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -195,6 +196,17 @@ def build(num_items: int, d_model: int, heads: int, max_seq_len: int, seed: int,
     return codebook, decoders
 
 
+def trained(args, device: str):
+    """(codebook, {False: decoder}, data set name) of a trained checkpoint; args' model sizes set from it."""
+    from backend_src.model.recommender import GenerativeRecommender
+
+    model = GenerativeRecommender.load(args.checkpoint)
+    cfg = model.cfg
+    args.items, args.d_model, args.heads = cfg.num_items, cfg.d_model, cfg.decoder_heads
+    name = model.metadata.get("data", Path(args.checkpoint).parent.name)
+    return model.codebook.to(device), {False: model.decoder.to(device)}, f"{name} (trained semantic IDs)"
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_common_args(p)
@@ -206,6 +218,9 @@ def parse_args(argv=None):
     p.add_argument("--d-model", type=int, default=64)
     p.add_argument("--heads", type=int, default=2)
     p.add_argument("--variants", nargs="+", default=None, choices=list(VARIANTS), help="subset of variants")
+    p.add_argument("--checkpoint", default=None,
+                   help="decode with this trained model's decoder and semantic IDs (a shared-K/V variant needs a model "
+                        "trained that way: left out) -> decode_latency_<checkpoint's folder>.json")
     p.add_argument("--max-seconds", type=float, default=None,
                    help="time budget per history length for the timed repetitions (default 90)")
     p.add_argument("--cuda-graphs", action="store_true",
@@ -307,12 +322,17 @@ def main(argv=None) -> dict:
     names = args.variants or list(VARIANTS)
     if "full" not in names:
         names = ["full", *names]
-    codebook, decoders = build(args.items, args.d_model, args.heads, max(args.histories), args.seed, dev)
+    if args.checkpoint:
+        codebook, decoders, dataset = trained(args, dev)
+        names = [n for n in names if not VARIANTS[n][1]]
+        model_name = f"SemanticIdDecoder(trained: {args.checkpoint}, d{args.d_model}, {args.heads} heads)"
+    else:
+        codebook, decoders = build(args.items, args.d_model, args.heads, max(args.histories), args.seed, dev)
+        dataset = f"synthetic-{args.items}-items-sid{'x'.join(map(str, codebook.codebook_sizes))}"
+        model_name = f"SemanticIdDecoder(random init, d{args.d_model}, {args.heads} heads)"
     sizes = codebook.codebook_sizes
     log(f"decode: {args.items} items, codebook sizes {sizes}, beam {args.beam}, threads {args.threads}, "
         f"device {dev} (ops backend {ops.backend_for(torch.empty(0, device=dev))})")
-    dataset = f"synthetic-{args.items}-items-sid{'x'.join(map(str, sizes))}"
-    model_name = f"SemanticIdDecoder(random init, d{args.d_model}, {args.heads} heads)"
     head_dim = args.d_model // args.heads
     rows, phases = [], []
     for n, users in zip(args.histories, args.users):
@@ -327,7 +347,8 @@ def main(argv=None) -> dict:
         # the K/V projection of all N rows that full attention does (steps 1..3; step 0 attends
         # in state space), or the one projection of a shared-projection decoder
         calls["project_history"] = lambda: [decoders[False].project_step(states, t) for t in (1, 2, 3)]
-        calls["project_history_shared"] = lambda: decoders[True].project_step(states, 0)
+        if True in decoders:
+            calls["project_history_shared"] = lambda: decoders[True].project_step(states, 0)
         # the history attention of one full-attention step with all beams (full runs 3 such steps
         # after the one-beam step 0): its share of the full decode bounds what fewer MACs can buy
         k1, v1 = decoders[False].project_step(states, 1)
@@ -341,7 +362,8 @@ def main(argv=None) -> dict:
         full_cost = attention_macs("full", n, args.beam, args.heads, head_dim, 256, 1.0, 1)
         works = {name: decode_macs(DecodeOptions(beam_width=args.beam, **VARIANTS[name][0]), n, args.d_model,
                                    args.heads, sizes, VARIANTS[name][1]) for name in names}
-        proj_s = {False: median_s(times["project_history"]), True: median_s(times["project_history_shared"])}
+        proj_s = {shared: median_s(times[call]) for shared, call in ((False, "project_history"), (True, "project_history_shared"))
+                  if call in times}
         log(f"  history {n}, {users} users: full {full_s * 1e3:.1f} ms/batch "
             f"(K/V projection {proj_s[False] * 1e3:.1f} ms, attention {attn_share:.0%} of it), "
             f"reps {len(times['full'])}")
@@ -421,7 +443,7 @@ def main(argv=None) -> dict:
     )
     if phases:
         extra["phases_ms"] = phases
-    path = args.out / "decode_latency.json"
+    path = args.out / (f"decode_latency_{Path(args.checkpoint).parent.name}.json" if args.checkpoint else "decode_latency.json")
     return save_result(path, rows, "perf.bench_decode", argv, load_start, **extra)
 
 
