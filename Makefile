@@ -57,12 +57,15 @@ $(RECIPE_LONG): | setup
 	$(PY) -m export.train --data ml-1m --recipe --max-len 2048 --batch-size 32 --minutes 10 --valid-users 200 \
 		--test-users 200 --out $@
 
-## bench: offline benchmarks (decode, ranking, caching), then the served ones (perf_analyzer, locust)
+## bench: offline benchmarks (decode, ranking, caching: random models of the papers' sizes, then the recipe's
+## trained model), then the served ones (perf_analyzer, locust)
 bench: bench-offline bench-served
 
 bench-offline: setup $(RECIPE_LONG)
 	$(PY) -m perf.bench
 	$(PY) -m perf.bench_decode --checkpoint $(RECIPE_LONG) --reps 21 --phase-runs 10
+	$(PY) -m perf.bench_ranking --threads 2 --checkpoint $(RECIPE_LONG)
+	$(PY) -m perf.bench_caching --threads 2 --checkpoint $(RECIPE_LONG)
 
 $(RUNS)/bench/model.pt: | setup
 	$(PY) -m export.train --data ml-1m --max-len 512 --epochs 1 --minutes 1 --max-users 600 \

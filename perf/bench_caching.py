@@ -21,7 +21,8 @@ import os
 import torch
 
 from perf.common import (
-    add_common_args, device_sync, fill_defaults, host_load, interleaved, log, median_s, random_hstu, ratio, save_result,
+    add_checkpoint_arg, add_common_args, device_sync, fill_defaults, host_load, interleaved, log, median_s, random_hstu,
+    ratio, result_name, save_result, trained_model,
     setup_torch, summary_ms,
 )
 
@@ -32,6 +33,7 @@ WARM_RUNS = 20
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_common_args(p)
+    add_checkpoint_arg(p, "caching_<its folder>.json")
     p.add_argument("--history", type=int, default=None, help="cached history length (default 512)")
     p.add_argument("--users", type=int, nargs="+", default=None, help="batch sizes (default 1 16)")
     p.add_argument("--new-events", type=int, nargs="+", default=None, help="events appended (default 1 8)")
@@ -125,11 +127,15 @@ def main(argv=None) -> dict:
     load_start = host_load()
     setup_torch(args.threads, args.seed, args.device)
     n = args.history
-    _, encoder = random_hstu(args, max_seq_len=n + max(args.new_events))
+    if args.checkpoint:  # the recipe's trained backbone
+        encoder = trained_model(args, max_seq_len=n + max(args.new_events)).backbone
+    else:
+        _, encoder = random_hstu(args, max_seq_len=n + max(args.new_events))
     encoder.to(args.device)
     log(f"caching: history {n}, d{args.d_model}, {args.layers} layers, {args.heads} heads, "
         f"threads {args.thread_counts}, device {args.device}")
-    model_name = f"HSTU(random init, d{args.d_model}, {args.layers} layers, {args.heads} heads)"
+    model_name = (f"HSTU({'trained: ' + args.checkpoint if args.checkpoint else 'random init'}, d{args.d_model}, "
+                  f"{args.layers} layers, {args.heads} heads)")
     rows = []
     for threads in args.thread_counts:
         torch.set_num_threads(threads)
@@ -146,7 +152,7 @@ def main(argv=None) -> dict:
                     warmup=args.warmup, reps_requested=args.reps, quick=args.quick),
         goal=dict(speedup_one_event=GOAL_SPEEDUP_ONE_EVENT),
     )
-    path = args.out / "caching.json"
+    path = args.out / result_name(args, "caching")
     return save_result(path, rows, "perf.bench_caching", argv, load_start, **extra)
 
 

@@ -29,8 +29,8 @@ from backend_src.decoding.beam_search import generate
 from backend_src.model.decoder import SemanticIdDecoder
 from backend_src.model.semantic_ids import SemanticIdCodebook
 from perf.common import (
-    add_common_args, cuda_graphed, device_sync, fill_defaults, host_load, interleaved, log, median_s, ratio,
-    save_result, setup_torch, summary_ms,
+    add_checkpoint_arg, add_common_args, cuda_graphed, device_sync, fill_defaults, host_load, interleaved, log, median_s,
+    ratio, result_name, save_result, setup_torch, summary_ms, trained_model,
 )
 
 # Seed 000, industrial data, history 512, beam 100, 512 users a batch on L20 GPUs (anchors.md)
@@ -196,17 +196,6 @@ def build(num_items: int, d_model: int, heads: int, max_seq_len: int, seed: int,
     return codebook, decoders
 
 
-def trained(args, device: str):
-    """(codebook, {False: decoder}, data set name) of a trained checkpoint; args' model sizes set from it."""
-    from backend_src.model.recommender import GenerativeRecommender
-
-    model = GenerativeRecommender.load(args.checkpoint)
-    cfg = model.cfg
-    args.items, args.d_model, args.heads = cfg.num_items, cfg.d_model, cfg.decoder_heads
-    name = model.metadata.get("data", Path(args.checkpoint).parent.name)
-    return model.codebook.to(device), {False: model.decoder.to(device)}, f"{name} (trained semantic IDs)"
-
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_common_args(p)
@@ -218,9 +207,8 @@ def parse_args(argv=None):
     p.add_argument("--d-model", type=int, default=64)
     p.add_argument("--heads", type=int, default=2)
     p.add_argument("--variants", nargs="+", default=None, choices=list(VARIANTS), help="subset of variants")
-    p.add_argument("--checkpoint", default=None,
-                   help="decode with this trained model's decoder and semantic IDs (a shared-K/V variant needs a model "
-                        "trained that way: left out) -> decode_latency_<checkpoint's folder>.json")
+    add_checkpoint_arg(p, "decode_latency_<its folder>.json (its decoder and semantic IDs; a shared-K/V variant "
+                          "needs a model trained that way: left out)")
     p.add_argument("--max-seconds", type=float, default=None,
                    help="time budget per history length for the timed repetitions (default 90)")
     p.add_argument("--cuda-graphs", action="store_true",
@@ -322,8 +310,11 @@ def main(argv=None) -> dict:
     names = args.variants or list(VARIANTS)
     if "full" not in names:
         names = ["full", *names]
-    if args.checkpoint:
-        codebook, decoders, dataset = trained(args, dev)
+    if args.checkpoint:  # the recipe's trained decoder and semantic IDs (the decoder reads histories of any length)
+        model = trained_model(args, max_seq_len=0)
+        args.heads = model.cfg.decoder_heads
+        codebook, decoders = model.codebook.to(dev), {False: model.decoder.to(dev)}
+        dataset = f"{Path(args.checkpoint).parent.name} (trained semantic IDs)"
         names = [n for n in names if not VARIANTS[n][1]]
         model_name = f"SemanticIdDecoder(trained: {args.checkpoint}, d{args.d_model}, {args.heads} heads)"
     else:
@@ -443,7 +434,7 @@ def main(argv=None) -> dict:
     )
     if phases:
         extra["phases_ms"] = phases
-    path = args.out / (f"decode_latency_{Path(args.checkpoint).parent.name}.json" if args.checkpoint else "decode_latency.json")
+    path = args.out / result_name(args, "decode_latency")
     return save_result(path, rows, "perf.bench_decode", argv, load_start, **extra)
 
 

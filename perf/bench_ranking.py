@@ -22,7 +22,8 @@ import torch
 
 from backend_src.model.ranker import RANK_ACTION, MFalconRanker
 from perf.common import (
-    add_common_args, device_sync, fill_defaults, host_load, interleaved, log, median_s, random_hstu, ratio, save_result,
+    add_checkpoint_arg, add_common_args, device_sync, fill_defaults, host_load, interleaved, log, median_s, random_hstu,
+    ratio, result_name, save_result, trained_model,
     setup_torch, summary_ms,
 )
 
@@ -32,6 +33,7 @@ GOAL_SPEEDUP_AT_1024 = 100.0
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_common_args(p)
+    add_checkpoint_arg(p, "ranking_throughput_<its folder>.json")
     p.add_argument("--history", type=int, default=None, help="history length (default 512)")
     p.add_argument("--candidates", type=int, nargs="+", default=None, help="default 64 256 1024")
     p.add_argument("--microbatches", type=int, nargs="+", default=None, help="default 16 64 256")
@@ -61,8 +63,12 @@ def main(argv=None) -> dict:
     setup_torch(args.threads, args.seed, args.device)
     dev = args.device
     n = args.history
-    cfg, encoder = random_hstu(args, max_seq_len=n + 1)
-    ranker = MFalconRanker(encoder, cfg).eval().to(dev)
+    if args.checkpoint:  # the recipe's trained backbone and ranking head
+        model = trained_model(args, max_seq_len=n + 1)
+        cfg, encoder, ranker = model.cfg, model.backbone.to(dev), model.ranker.eval().to(dev)
+    else:
+        cfg, encoder = random_hstu(args, max_seq_len=n + 1)
+        ranker = MFalconRanker(encoder, cfg).eval().to(dev)
     gen = torch.Generator().manual_seed(args.seed)
     hist_items = torch.randint(1, args.items + 1, (1, n), generator=gen).to(dev)
     hist_actions = torch.randint(1, 6, (1, n), generator=gen).to(dev)
@@ -86,7 +92,8 @@ def main(argv=None) -> dict:
         return torch.cat(out)
 
     rows = []
-    model_name = f"HSTU(random init, d{args.d_model}, {args.layers} layers, {args.heads} heads)"
+    model_name = (f"HSTU({'trained: ' + args.checkpoint if args.checkpoint else 'random init'}, d{args.d_model}, "
+                  f"{args.layers} layers, {args.heads} heads)")
     dataset = f"synthetic-history-{n}"
     for m in args.candidates:
         cands = torch.randint(1, args.items + 1, (m,), generator=gen).to(dev)
@@ -147,7 +154,7 @@ def main(argv=None) -> dict:
                     reps_requested=args.reps, quick=args.quick),
         goal=dict(speedup_at_1024_candidates=GOAL_SPEEDUP_AT_1024),
     )
-    path = args.out / "ranking_throughput.json"
+    path = args.out / result_name(args, "ranking_throughput")
     return save_result(path, rows, "perf.bench_ranking", argv, load_start, **extra)
 
 

@@ -80,6 +80,28 @@ def random_hstu(args: argparse.Namespace, max_seq_len: int):
     return cfg, HSTUEncoder(cfg).eval()
 
 
+def add_checkpoint_arg(p: argparse.ArgumentParser, result: str) -> None:
+    p.add_argument("--checkpoint", default=None, help=f"a trained model instead of a random one -> {result}")
+
+
+def trained_model(args: argparse.Namespace, max_seq_len: int):
+    """The checkpoint of --checkpoint (eval mode), its sizes copied into args' --items/--d-model/--layers/
+    --heads; an error if its histories are shorter than max_seq_len."""
+    from backend_src.model.recommender import GenerativeRecommender
+
+    model = GenerativeRecommender.load(args.checkpoint)
+    cfg = model.cfg
+    if cfg.max_seq_len < max_seq_len:
+        raise SystemExit(f"{args.checkpoint} keeps histories of {cfg.max_seq_len} events, the benchmark needs {max_seq_len}")
+    args.items, args.d_model, args.layers, args.heads = cfg.num_items, cfg.d_model, cfg.num_layers, cfg.num_heads
+    return model
+
+
+def result_name(args: argparse.Namespace, stem: str) -> str:
+    """stem.json, or stem_<the checkpoint's folder>.json for a trained model's run."""
+    return f"{stem}_{Path(args.checkpoint).parent.name}.json" if getattr(args, "checkpoint", None) else f"{stem}.json"
+
+
 def cuda_graphed(fn: Callable[[], object]) -> Callable[[], None]:
     """fn captured once into a CUDA graph; the returned callable replays it on the same input
     tensors. A replay launches all of fn's kernels at once, so its time is the GPU's work without

@@ -30,8 +30,13 @@ CACHING_COLUMNS = ["threads", "users", "new_events", "mode", "latency_ms_p50", "
                    "speedup_vs_forward", "max_abs_diff", "reps"]
 
 
+# the offline harness's own files (random models of the papers' sizes); a run on a trained checkpoint
+# (e.g. decode_latency_<its folder>.json) is listed with the other files
+SECTION_FILES = {"decode": "decode_latency.json", "ranking": "ranking_throughput.json", "caching": "caching.json"}
+
+
 def load_results(directory: Path) -> dict:
-    """benchmark name -> blob, for the JSON files that carry a "benchmark" field; others listed."""
+    """benchmark name -> blob, for the harness's files (SECTION_FILES); others listed."""
     found, others = {}, []
     for path in sorted(directory.glob("*.json")):
         try:
@@ -39,7 +44,7 @@ def load_results(directory: Path) -> dict:
         except (OSError, json.JSONDecodeError):
             continue
         blob["_file"] = path.name
-        if isinstance(blob, dict) and blob.get("benchmark") in ("decode", "ranking", "caching"):
+        if isinstance(blob, dict) and SECTION_FILES.get(blob.get("benchmark")) == path.name:
             found[blob["benchmark"]] = blob
         elif isinstance(blob, dict):
             others.append(blob)

@@ -257,3 +257,28 @@ def test_the_p99_limit_is_bisected_between_the_grid_points():
     measured.clear()
     new = bisect_p99_limit(measure, grid, limit_ms=75.0)  # 6 passes, 7 fails to run: it stops there
     assert measured == [6, 7] and [r["concurrency"] for r in new] == [6]
+
+
+def test_benchmarks_on_a_trained_checkpoint(results, tmp_path):
+    """--checkpoint runs decode, ranking and caching on a saved model's parts into files of their own,
+    which the report lists without taking the random models' sections."""
+    import shutil
+
+    from perf.report import write_report
+    from serving_helpers import build_tiny_checkpoint
+
+    ckpt = tmp_path / "tiny" / "model.pt"
+    build_tiny_checkpoint(ckpt, [None] + [f"item-{i}" for i in range(1, 300)], 64, seed=0)
+    out = tmp_path / "out"
+    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
+    for module in ("perf.bench_decode", "perf.bench_ranking", "perf.bench_caching"):
+        subprocess.run([sys.executable, "-m", module, "--quick", "--threads", "1", "--checkpoint", str(ckpt), "--out", str(out)],
+                       cwd=REPO_ROOT, env=env, check=True, capture_output=True, text=True, timeout=300)
+    for name in ("decode_latency_tiny.json", "ranking_throughput_tiny.json", "caching_tiny.json"):
+        blob = _load(out, name)
+        assert "--checkpoint" in blob["command"] and all("trained" in r["model"] for r in blob["rows"])
+    for name in ("decode_latency.json", "ranking_throughput.json", "caching.json"):
+        shutil.copy(results / name, out / name)
+    text = write_report(out).read_text()
+    assert "File `decode_latency.json`" in text and "File `caching.json`" in text
+    assert "- `decode_latency_tiny.json`: python -m perf.bench_decode" in text
