@@ -41,10 +41,9 @@ class Timers:
         self._restore = []
 
     def wrap(self, owner, name: str, label):
-        """owner.name (an instance's or a class's attribute) timed under label, a string or
-        a function of the call's arguments giving one (None: not timed)."""
+        """owner.name (an instance's, a class's or a module's attribute) timed under label, a string
+        or a function of the call's arguments giving one."""
         original = getattr(owner, name)
-        is_static = isinstance(owner, type) and isinstance(owner.__dict__.get(name), staticmethod)
 
         def timed(*args, **kwargs):
             key = label if isinstance(label, str) else label(*args, **kwargs)
@@ -52,12 +51,10 @@ class Timers:
             try:
                 return original(*args, **kwargs)
             finally:
-                if key is not None:
-                    self.spent[key] += time.perf_counter() - t0
+                self.spent[key] += time.perf_counter() - t0
 
-        had = name in vars(owner)
-        setattr(owner, name, staticmethod(timed) if is_static else timed)
-        self._restore.append((owner, name, vars(owner)[name] if had and isinstance(owner, type) else original, had))
+        self._restore.append((owner, name, vars(owner).get(name), name in vars(owner)))
+        setattr(owner, name, timed)
 
     def take(self) -> dict:
         out, self.spent = dict(self.spent), defaultdict(float)
@@ -70,13 +67,6 @@ class Timers:
             else:
                 delattr(owner, name)
         self._restore.clear()
-
-
-def _step_of(arg_index: int):
-    """The label function of a per-step call: its decoding step is argument arg_index (self first)."""
-    def label(*args, **kwargs):
-        return args[arg_index]
-    return label
 
 
 @contextlib.contextmanager

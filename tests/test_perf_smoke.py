@@ -282,3 +282,32 @@ def test_benchmarks_on_a_trained_checkpoint(results, tmp_path):
     text = write_report(out).read_text()
     assert "File `decode_latency.json`" in text and "File `caching.json`" in text
     assert "- `decode_latency_tiny.json`: python -m perf.bench_decode" in text
+
+
+def test_request_profile_times_every_phase_and_restores_the_stages(tmp_path):
+    """The per-phase profile of the three stages: a row per (kind, phase), each stage's phases within its
+    total, the decode's steps all there, and no timer left on the code afterwards."""
+    from backend_src.config import DecodeOptions
+    from backend_src.decoding import attention_policies, beam_search
+    from export.triton_configs import ServingOptions
+    from perf.request_profile import profile
+    from serving_helpers import build_tiny_checkpoint
+
+    ckpt = tmp_path / "model.pt"
+    ids = [None] + [f"item-{i}" for i in range(1, 80)]
+    build_tiny_checkpoint(ckpt, ids, 16, seed=0)
+    decode = DecodeOptions(mode="pfa", beam_width=8, k=8)
+    serving = ServingOptions(decode=decode, top_k=5, ranker_backend="torch")
+    options = dict(top_k=5, exclude_seen=True, beam_width=8, mode="pfa", pfa_k=8, pfa_r=0.5, selection_step=1)
+    events = (ids[1:13], [1] * 12, [1000 + 60 * i for i in range(12)])
+    rows = profile(ckpt, serving, events, options, requests=3)
+    by = {(r["kind"], r["phase"]): r["p50_ms"] for r in rows}
+    for kind in ("open", "append", "recommend"):
+        for stage in ("history_encoder", "pfa_decoder", "mfalcon_ranker"):
+            assert by[kind, stage] > 0
+        assert all((kind, f"pfa_decoder: step {t} head") in by for t in range(4))
+        assert by[kind, "mfalcon_ranker: M-FALCON scores"] < by[kind, "mfalcon_ranker"]
+    assert ("open", "history_encoder: write the log") in by and ("recommend", "history_encoder: write the log") not in by
+    for wrapped in (attention_policies.AttentionPolicy.attend, attention_policies.FullAttention.attend,
+                    beam_search.expand_beams):
+        assert wrapped.__module__.startswith("backend_src.decoding.")
