@@ -336,7 +336,24 @@ def overflow_request(url: str) -> str:
         c.close()
 
 
-class SessionLoad:
+class ThreadedLoad:
+    """Client threads (`_threads`, each running `_run`) for the length of a `with`: started on entry,
+    told to stop (`stop`) and joined on exit; `t0` and `seconds` time the run."""
+
+    def __enter__(self):
+        self.t0 = time.monotonic()
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        for t in self._threads:
+            t.join()
+        self.seconds = time.monotonic() - self.t0
+
+
+class SessionLoad(ThreadedLoad):
     """`threads` client threads, each with its own sessions: open with `history` events, then one
     event a request. Keeps, per session, the events acknowledged and the time of every success."""
 
@@ -412,16 +429,6 @@ class SessionLoad:
             self.acked[sid] = acked
             self.sent[sid] = max(self.sent.get(sid, 0), sent)
             self.ok_times.append(time.monotonic())
-
-    def __enter__(self):
-        for t in self._threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.stop.set()
-        for t in self._threads:
-            t.join()
 
     def check(self, log_url: str) -> dict:
         """Each session's log against what its client sent and had acknowledged."""

@@ -34,7 +34,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from perf.bench_sessions import item_id, os_kill
+from perf.bench_sessions import ThreadedLoad, item_id, os_kill
 from perf.common import RESULTS_DIR, host_load, log, save_result
 
 K = 64  # events per writer and session at most: writer w's k-th event is item 1 + w * K + k
@@ -204,7 +204,7 @@ def item_event(item: str):
     return (i // K, i % K) if i >= 0 else None
 
 
-class Writers:
+class Writers(ThreadedLoad):
     """`writers` threads writing to the same `sessions` sessions; what each call's answer (or
     failure) says of its events."""
 
@@ -226,18 +226,6 @@ class Writers:
         self.trace: list = []  # (session, writer, ks, timed out first, conflicts resolved) of every call
         self.ack_times: list = []
         self._threads = [threading.Thread(target=self._run, args=(w,), daemon=True) for w in range(writers)]
-
-    def __enter__(self):
-        self.t0 = time.monotonic()
-        for t in self._threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.stop.set()
-        for t in self._threads:
-            t.join()
-        self.seconds = time.monotonic() - self.t0
 
     def _run(self, w: int) -> None:
         from clients.client import RecommenderClient, SessionLost

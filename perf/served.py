@@ -414,10 +414,6 @@ class ServedKinds:
 # equally often. What ran just before (the in-process work, or a request through the server's
 # processes) sets how cold a measurement's caches are; one fixed order would always give one of
 # them the heaviest predecessor.
-def turn_orders(names) -> tuple:
-    return tuple(itertools.permutations(names))
-
-
 def latency_rows(model, data, url: str, floor_url: str, histories, options: dict, decode_options, top_k: int,
                  requests: int, threads: int, log_dir: Path, durability: str, baseline_url: str | None = None) -> tuple:
     """One row per (kind, history): served, in-process and floor p50/p99 (and with `baseline_url`
@@ -437,7 +433,7 @@ def latency_rows(model, data, url: str, floor_url: str, histories, options: dict
         measure = {"served": served, "floor": floor, "in_process": local}
         if baseline_url:
             measure["baseline"] = ServedKinds(baseline_url, events, options, f"base-{tag}-{n}")
-        orders = turn_orders(measure)
+        orders = tuple(itertools.permutations(measure))
         try:
             for kind in KINDS:
                 samples = {"served": [], "floor": [], "in_process": [], "in_process_model": [], "baseline": []}

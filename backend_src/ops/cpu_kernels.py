@@ -180,9 +180,8 @@ def expand_beams(h, out_w, out_b, kids, cont_bias, child, node_emb, beam_lp, pre
     B, Wt, D = h.shape
     own_codes = kids.shape[0] == 0
     M = cont_bias.shape[1]
-    N, K, C, T = Wt * M, out_lp.shape[1], child.shape[1], codes.shape[2]
+    N, K, T = Wt * M, out_lp.shape[1], codes.shape[2]
     has_nodes, has_emb = node_emb.shape[0] > 0, out_emb.shape[0] > 0
-    dead_row = cont_bias.shape[0] - 1
     scores = np.empty(N, np.float32)
     for b in range(B):
         for w in range(Wt):
@@ -191,12 +190,11 @@ def expand_beams(h, out_w, out_b, kids, cont_bias, child, node_emb, beam_lp, pre
                 for m in range(M):
                     scores[row + m] = -np.inf
                 continue
-            r = min(p, dead_row)
             top = -np.inf
             for m in range(M):
                 v = -np.inf
-                if cont_bias[r, m] != -np.inf:
-                    c = m if own_codes else kids[r, m]
+                if cont_bias[p, m] != -np.inf:
+                    c = m if own_codes else kids[p, m]
                     v = out_b[c]
                     for d in range(D):
                         v += out_w[c, d] * h[b, w, d]
@@ -205,7 +203,7 @@ def expand_beams(h, out_w, out_b, kids, cont_bias, child, node_emb, beam_lp, pre
                         if n >= 0:
                             for d in range(D):
                                 v += node_emb[n, d] * h[b, w, d]
-                    v += cont_bias[r, m]
+                    v += cont_bias[p, m]
                 scores[row + m] = v
                 top = max(top, v)
             if top == -np.inf or top != top:  # no continuation (or a NaN logit): the beam ends here
@@ -241,10 +239,10 @@ def expand_beams(h, out_w, out_b, kids, cont_bias, child, node_emb, beam_lp, pre
             lp = scores[i]
             live = lp != -np.inf
             p = prefix[b, w]
-            c = (m if own_codes else kids[min(p, dead_row), m]) if live else -1
+            c = (m if own_codes else kids[p, m]) if live else -1
             out_lp[b, k] = lp
             out_parent[b, k] = w
-            out_prefix[b, k] = child[p, c] if live and 0 <= c < C else -1
+            out_prefix[b, k] = child[p, c] if live else -1
             for j in range(T):
                 out_codes[b, k, j] = codes[b, w, j]
             out_codes[b, k, T] = c
