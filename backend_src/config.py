@@ -32,6 +32,12 @@ class ModelConfig:
     # semantic ID (HSTUEncoder.item_vectors); a written checkpoint holds them folded into the item
     # table and says 0
     code_embedding_levels: int = 0
+    # a written checkpoint keeps the code embeddings beside the folded table, and here the levels
+    # they cover: the catalog builds an added item's vector from its codes' embeddings
+    catalog_code_levels: int = 0
+    # what the semantic IDs were quantized from (semantic_ids.ITEM_EMBEDDING_SOURCES, "" = not
+    # recorded): the space an added item's content must be embedded into
+    semantic_id_source: str = ""
     # the co-visitation expert (model/covisitation.py): pairs of training events within this many
     # events of each other are counted; 0 = no such expert
     covisit_window: int = 0
@@ -139,6 +145,10 @@ class TrainConfig:
     # set has no repeat consumption, they teach both heads what its targets say (an item already
     # seen is not next); where it has, an event equal to the target is masked, not a negative
     seen_negatives: int = 0
+    # this share of the history's events shows the unknown item (HSTUEncoder's row I + 1) instead of
+    # its own, as out-of-vocabulary handling does, so an event on an item a served version does not
+    # know is encoded with a learned vector (its targets stay the real items)
+    unknown_item_share: float = 0.0
     # "constant", or "cosine": lr decays to lr * lr_min_ratio over the run (its time budget when
     # one is given, else its epochs)
     lr_schedule: str = "constant"

@@ -29,7 +29,7 @@ from backend_src import distributed as dist
 from backend_src.config import ModelConfig, TrainConfig
 from backend_src.data.sequences import Batch, length_bucketed, train_batches, training_events
 from backend_src.model.recommender import GenerativeRecommender
-from backend_src.model.semantic_ids import SemanticIdCodebook
+from backend_src.model.semantic_ids import SemanticIdCodebook, embedding_sources
 
 
 class NegativeSampler:
@@ -89,9 +89,15 @@ def build_model(data, cfg: ModelConfig, embedding_dim: int = 64, seed: int = 0, 
                                             sources=item_embeddings, balanced=balanced_codes, quantizer=quantizer,
                                             log=log)
     if dist.is_distributed():
-        codes = dist.broadcast_object(codebook.codes if codebook is not None else None)
-        codebook = SemanticIdCodebook.from_codes(codes)
+        codes, centers = dist.broadcast_object(
+            (codebook.codes, [codebook.get_buffer(f"center_{t}") for t in range(codebook.num_levels - 1)])
+            if codebook is not None else None)
+        codebook = SemanticIdCodebook(codes[1:], centers=centers if all(c.numel() for c in centers) else None)
     cfg.codebook_sizes = tuple(int(c) for c in codebook.codebook_sizes)
+    sources = embedding_sources(data, item_embeddings)
+    if getattr(data, "item_attributes", None):
+        sources += "+attributes"
+    cfg.semantic_id_source = sources if quantizer == "kmeans" else quantizer
     cfg.node_output_sizes = (0,) + codebook.prefix_counts()[1:] if node_output else ()
     torch.manual_seed(seed)
     model = GenerativeRecommender(cfg, codebook, data.item_ids)
@@ -139,6 +145,9 @@ def losses(model: GenerativeRecommender, batch, sampler: NegativeSampler, tcfg: 
         if tcfg.seen_negatives > 0:  # the last of them replaced by events at or before the position
             h = min(tcfg.seen_negatives, negatives.shape[-1])
             negatives[..., -h:] = seen_events(batch.items, pos, h, gen)
+    hidden = None
+    if tcfg.unknown_item_share > 0:  # events shown as the unknown item
+        hidden = (torch.rand(batch.items.shape, generator=gen) < tcfg.unknown_item_share) & (batch.items > 0)
     dense_negatives = dense_seen = None
     if dense_weight > 0:
         n_neg = tcfg.dense_negatives
@@ -160,6 +169,8 @@ def losses(model: GenerativeRecommender, batch, sampler: NegativeSampler, tcfg: 
             share["ranking"] = int(ranked[rows].sum()) / n_ranked if n_ranked else 0.0
             pos, positives, negatives = pos[rows], positives[rows], negatives[rows]
         batch = take_rows(batch, rows)
+        if hidden is not None:
+            hidden = hidden[rows, :batch.items.shape[1]]
         if dense_seen is not None:
             dense_seen = dense_seen[rows, :batch.items.shape[1]]
 
@@ -167,7 +178,8 @@ def losses(model: GenerativeRecommender, batch, sampler: NegativeSampler, tcfg: 
     batch = batch.to(device)
     if dense_negatives is not None:
         dense_negatives = dense_negatives.to(device)
-    cache = model.backbone(batch.items, batch.actions, batch.timestamps, batch.lengths)
+    items = batch.items if hidden is None else batch.items.masked_fill(hidden.to(device), model.unknown_index)
+    cache = model.backbone(items, batch.actions, batch.timestamps, batch.lengths)
     targets = batch.targets
     valid = targets > 0
     codes = model.codebook.codes[targets]  # [B, N, 4]

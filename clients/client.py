@@ -67,7 +67,7 @@ _STAGE_RESTARTING = ("not healthy", "Stub process", "is not ready", "unavailable
 _TOO_LARGE = ("larger than max", "size exceeds", "too large")
 
 _OUTPUTS = (P.RECOMMENDED_IDS, P.RANK_SCORES, P.RETRIEVAL_LOG_PROBS, P.SEMANTIC_IDS, P.HISTORY_LENGTH, P.TRUNCATED,
-            P.EVENT_COUNT, P.RESTORED)
+            P.EVENT_COUNT, P.RESTORED, P.UNKNOWN_ITEMS)
 _CLOSE_OUTPUTS = (P.EVENT_COUNT,)
 
 
@@ -102,6 +102,7 @@ class Recommendation:
     event_count: int = 0  # events the server holds for the session (all ever accepted)
     restored: bool = False  # the session was rebuilt from the server's event log on this request
     resent: int = 0  # times the events were sent again after another writer's that took their positions
+    unknown_items: int = 0  # events of the session's history naming items the serving version does not know
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -191,6 +192,7 @@ def parse_response(result, latency_ms: float) -> Recommendation:
         latency_ms=latency_ms,
         event_count=int(result.as_numpy(P.EVENT_COUNT.name).reshape(-1)[0]),
         restored=bool(result.as_numpy(P.RESTORED.name).reshape(-1)[0]),
+        unknown_items=int(result.as_numpy(P.UNKNOWN_ITEMS.name).reshape(-1)[0]),
     )
 
 

@@ -57,12 +57,13 @@ RECIPE = dict(
     d_model=96, layers=2, heads=2, dropout=0.3, codebook=(256, 256, 256),
     lr=2e-3, lr_schedule="cosine", weight_decay=0.1, dense_negatives=1024, ranker_negatives=32,
     code_embeddings=3, node_output=True, covisit_window=3, valid_users=4000, epochs=12, minutes=30.0,
+    unknown_item_share=0.02,
 )
 # The small models of the speed benchmarks, the tests and the demo: fixed sizes and the settings
 # their recorded results were trained with (perf/results/*.json "command"), not quality recipes.
 _SMALL = dict(layers=2, heads=2, dropout=0.2, lr=1e-3, lr_schedule="constant", weight_decay=0.0,
               dense_negatives=0, ranker_negatives=64, code_embeddings=0, node_output=False, covisit_window=0,
-              valid_users=2000, minutes=None, item_embeddings="auto")
+              valid_users=2000, minutes=None, item_embeddings="auto", unknown_item_share=0.0)
 BENCHMARK_CONFIGS = {
     "synthetic": dict(_SMALL, d_model=48, max_len=64, codebook=(32, 32, 32), epochs=4),
     "ml-100k": dict(_SMALL, d_model=64, max_len=200, codebook=(32, 32, 32), epochs=30),
@@ -166,6 +167,10 @@ def parse_args(argv=None):
                    help="how the item embeddings become codes: residual k-means (the recipe) or a learned "
                         "residual quantizer (rq-vae), optionally pulled toward the items' co-occurrence embeddings "
                         "(rq-vae-collaborative); measured variants, not the recipe")
+    p.add_argument("--unknown-item-share", type=float, metavar="P",
+                   help="share of the history's events shown as the unknown item in training, which learns the vector "
+                        f"an event on an item the served version does not know is encoded with (recipe: "
+                        f"{RECIPE['unknown_item_share']})")
     p.add_argument("--code-embeddings", type=int, metavar="LEVELS",
                    help="while training, add to each item's vector the embeddings of the first LEVELS codes of "
                         f"its semantic ID, folded into the item table in the checkpoint (recipe: "
@@ -233,6 +238,7 @@ def run(args, device):
         dense_negatives=args.dense_negatives,
         seen_negatives=args.seen_negatives,
         ema_decay=args.ema_decay,
+        unknown_item_share=args.unknown_item_share,
     )
     say(f"{data.name}: {data.num_users} users, {data.num_items} items, {len(data.items)} events")
     if args.resume:

@@ -101,6 +101,7 @@ CONTROL_READY = "READY"
 # id is kept whole, so it must travel whole: Triton refuses one over MAX_STRING_ID_BYTES and the
 # Python backend hands the model a string id only up to its first NUL, so the client refuses both.
 MAX_STRING_ID_BYTES = 128  # Triton's limit on a string sequence id, in UTF-8 bytes
+MAX_ITEM_ID_BYTES = 256  # an item id, in UTF-8 bytes: events and the catalog take any id up to this long
 _UINT64 = 1 << 64
 
 # The request header that carries the session id, so a balancer in front of several servers can
@@ -221,6 +222,9 @@ HISTORY_LENGTH = TensorSpec("HISTORY_LENGTH", "INT64", (1,), doc="events in the 
 TRUNCATED = TensorSpec("TRUNCATED", "INT32", (1,), doc="oldest events dropped by this request to stay within max history")
 EVENT_COUNT = TensorSpec("EVENT_COUNT", "INT64", (1,), doc="events the server holds for the session after this request (all ever accepted)")
 RESTORED = TensorSpec("RESTORED", "BOOL", (1,), doc="true when the session was not cached and was rebuilt from the event log")
+UNKNOWN_ITEMS = TensorSpec("UNKNOWN_ITEMS", "INT64", (1,),
+                           doc="events of the session's history naming items the serving version does not know (accepted, "
+                               "logged and encoded with the learned unknown-item vector)")
 
 # ------------------------------------------------------------------------------------------
 # Tensors between the stages
@@ -254,7 +258,7 @@ ENCODER_CONTRACT = ModelContract(
     ENCODER,
     inputs=(ITEM_IDS, ACTIONS, TIMESTAMPS, EVENTS_BEFORE) + OPTION_INPUTS,  # options only validated here
     outputs=(HISTORY_STATES, HISTORY_KEYS, HISTORY_VALUES, HISTORY_TIMESTAMPS, HISTORY_ITEMS, HISTORY_LENGTH, TRUNCATED,
-             EVENT_COUNT, RESTORED),
+             EVENT_COUNT, RESTORED, UNKNOWN_ITEMS),
     ragged=("ITEM_IDS", "ACTIONS", "TIMESTAMPS"),
 )
 DECODER_CONTRACT = ModelContract(
@@ -275,7 +279,8 @@ RANKER_CONTRACT = ModelContract(
 ENSEMBLE_CONTRACT = ModelContract(
     ENSEMBLE,
     inputs=(ITEM_IDS, ACTIONS, TIMESTAMPS, EVENTS_BEFORE) + OPTION_INPUTS,
-    outputs=(RECOMMENDED_IDS, RANK_SCORES, RETRIEVAL_LOG_PROBS, SEMANTIC_IDS, HISTORY_LENGTH, TRUNCATED, EVENT_COUNT, RESTORED),
+    outputs=(RECOMMENDED_IDS, RANK_SCORES, RETRIEVAL_LOG_PROBS, SEMANTIC_IDS, HISTORY_LENGTH, TRUNCATED, EVENT_COUNT, RESTORED,
+             UNKNOWN_ITEMS),
 )
 CONTRACTS = {c.name: c for c in (ENCODER_CONTRACT, DECODER_CONTRACT, RANKER_CONTRACT, ENSEMBLE_CONTRACT)}
 

@@ -88,9 +88,12 @@ def test_session_round_trip(served):
 def test_errors_and_session_loss(served):
     items, actions, ts = user_history(served["data"], 1)
     with RecommenderClient(served["url"]) as c:
+        # an item the model does not know: accepted (and logged), counted in the answer
+        rec = c.open_session("new-item", [items[0], "no-such-item"], top_k=2)
+        assert rec.event_count == 2 and rec.unknown_items == 1 and len(rec.item_ids) == 2
         with pytest.raises(RecommenderError) as e:
-            c.open_session("bad", [items[0], "no-such-item"], top_k=2)
-        assert e.value.status == "INVALID_ARGUMENT" and "unknown item ids: 'no-such-item'" in e.value.message
+            c.open_session("bad", [items[0], ""], top_k=2)
+        assert e.value.status == "INVALID_ARGUMENT" and "an item id is 1 to 256 bytes" in e.value.message
         assert not isinstance(e.value, SessionLost)
 
         with pytest.raises(SessionLost) as e:  # never opened

@@ -56,7 +56,12 @@ def test_checkpoint_folds_code_embeddings(tmp_path):
     model.save(tmp_path / "m.pt")
     loaded = GenerativeRecommender.load(tmp_path / "m.pt")
     assert loaded.cfg.code_embedding_levels == 0 and loaded.backbone.code_embedding is None
-    assert not any("code_embedding" in k or "item_code_rows" in k for k in loaded.state_dict())
+    assert not any(k.endswith(("backbone.code_embedding.weight", "item_code_rows")) for k in loaded.state_dict())
+    # the code embeddings stay beside the folded table: an item added to the catalog is built from its codes'
+    assert loaded.cfg.catalog_code_levels == 2
+    assert torch.equal(loaded.backbone.catalog_code_embedding, model.backbone.code_embedding.weight.detach())
+    codes = model.codebook.codes[1:4]
+    assert torch.allclose(loaded.backbone.code_vectors(codes), model.backbone.code_vectors(codes))
     after = _outputs(loaded)
     for x, y in zip(before[:3], after[:3]):
         assert torch.allclose(x, y, atol=1e-5), (x - y).abs().max()

@@ -75,12 +75,15 @@ def assert_scores_match(got, ref, atol=ATOL):
     assert np.abs(got[fin] - ref[fin]).max() < atol
 
 
-def ort_scores(path, cache, cands):
+def ort_scores(path, ranker, cache, cands):
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = 1
     sess = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
-    feed = dict(zip(INPUT_NAMES, (cache.keys, cache.values, cache.timestamps, cache.lengths, cands)))
-    return sess.run([OUTPUT_NAME], {k: v.numpy() for k, v in feed.items()})[0]
+    with torch.no_grad():  # the graph reads the candidates' vectors; padding candidates are the runtime's to mask
+        vectors = ranker.backbone.item_vectors(cands)
+    feed = dict(zip(INPUT_NAMES, (cache.keys, cache.values, cache.timestamps, cache.lengths, vectors)))
+    out = sess.run([OUTPUT_NAME], {k: v.numpy() for k, v in feed.items()})[0]
+    return np.where(cands.numpy() == 0, -np.inf, out)
 
 
 # ------------------------------------------------------------------------------------------
@@ -96,7 +99,7 @@ def test_graph_contract(onnx_path, ranker):
     L, H, d = cfg.num_layers, cfg.num_heads, cfg.d_model // cfg.num_heads
     assert dims["history_keys"] == [L, "B", "n", H, d]
     assert dims["history_timestamps"] == ["B", "n"]
-    assert dims["candidates"] == ["B", "m"]
+    assert dims["candidate_vectors"] == ["B", "m", cfg.d_model]
 
 
 @pytest.mark.parametrize(
@@ -115,7 +118,7 @@ def test_onnx_matches_torch_score(onnx_path, ranker, lengths, M):
     cands = make_candidates(ranker, len(lengths), M, pad_last=M > 1)
     with torch.no_grad():
         ref = ranker.score(cache, cands, microbatch_size=M).numpy()
-    assert_scores_match(ort_scores(onnx_path, cache, cands), ref)
+    assert_scores_match(ort_scores(onnx_path, ranker, cache, cands), ref)
 
 
 def test_runtime_torch_vs_onnxruntime_microbatched(onnx_path, ranker):
@@ -124,7 +127,7 @@ def test_runtime_torch_vs_onnxruntime_microbatched(onnx_path, ranker):
     with torch.no_grad():
         ref = ranker.score(cache, cands, microbatch_size=64).numpy()
     rt_torch = RankerRuntime.torch(ranker)
-    rt_ort = RankerRuntime.onnxruntime(onnx_path, num_threads=1)
+    rt_ort = RankerRuntime.onnxruntime(onnx_path, ranker.backbone.item_vectors, num_threads=1)
     assert rt_ort.provider == "CPUExecutionProvider"
     for bm in (1, 5, 8, 23, 64):  # uneven last microbatch, one microbatch, b_m > M
         a = rt_torch.score_cache(cache, cands, microbatch_size=bm)
@@ -155,7 +158,7 @@ def test_from_version_dir(onnx_path, ranker, tmp_path):
 
 def test_routed_runtime_scores_as_torch_at_every_length(onnx_path, ranker):
     rt = RankerRuntime.fastest_by_history(
-        [RankerRuntime.onnxruntime(onnx_path), RankerRuntime.torch(ranker)], ranker.cfg, max_history=40, candidates=4, reps=1
+        [RankerRuntime.onnxruntime(onnx_path, ranker.backbone.item_vectors), RankerRuntime.torch(ranker)], ranker.cfg, max_history=40, candidates=4, reps=1
     )
     assert rt.backend == "routed" and rt.provider.count("n<=") == 3  # 16, 32, 40
     for lengths in ([3], [20, 7], [40]):
@@ -191,7 +194,7 @@ def test_tensorrt_plan_matches_torch(onnx_path, ranker, tmp_path):
     if not torch.cuda.is_available():
         pytest.skip("TensorRT needs a CUDA GPU")
     plan = build_tensorrt_plan(onnx_path, tmp_path / "ranker.plan", {"B": (1, 2, 4), "n": (1, 16, 32), "m": (1, 8, 8)}, fp16=False)
-    rt = RankerRuntime.tensorrt(plan)
+    rt = RankerRuntime.tensorrt(plan, ranker.backbone.item_vectors)
     cache = make_cache(ranker, [12, 5, 1])
     cands = make_candidates(ranker, 3, 11)
     with torch.no_grad():

@@ -121,7 +121,7 @@ def _ranker_inputs(n=3, W=4):
 def _rank_check(max_history=20, max_candidates=16, **replace):
     inputs = {**_ranker_inputs(), **replace}
     check_ranker_inputs(
-        **inputs, num_items=CFG.num_items, codebook_sizes=CFG.codebook_sizes,
+        **inputs, item_rows=CFG.num_items + 2, codebook_sizes=CFG.codebook_sizes,
         max_history=max_history, max_candidates=max_candidates,
     )
 
@@ -156,8 +156,8 @@ def test_ranker_input_checks():
          r"HISTORY_ITEMS holds item indices out of range at positions 1 \(values -1\)"),
         (dict(history_items=_with("history_items", (0, 0), int64_max)), "HISTORY_ITEMS holds item indices out of range"),
         (dict(candidates=_with("candidates", (0, 0), -100000)),
-         r"CANDIDATE_ITEMS .* \(values -100000\): item indices are 0..50"),
-        (dict(candidates=_with("candidates", (0, 1), CFG.num_items + 1)),
+         r"CANDIDATE_ITEMS .* \(values -100000\): item indices are 0..51"),
+        (dict(candidates=_with("candidates", (0, 1), CFG.num_items + 2)),
          "CANDIDATE_ITEMS holds item indices out of range at positions 1"),
         (dict(candidates=_with("candidates", (0, 2), int64_max)), f"CANDIDATE_ITEMS .*{int64_max}"),
         # timestamps

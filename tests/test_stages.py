@@ -165,24 +165,48 @@ def test_encoder_refuses_a_gap_and_an_unknown_session_changing_nothing(encoder):
     (dict(DECODE_MODE="beam"), "DECODE_MODE must be one of"),
     (dict(TOP_K=9), r"TOP_K \(9\) must not exceed BEAM_WIDTH \(8\)"),
     (dict(backwards=True), "TIMESTAMPS out of order: event 1 at 5000 is before event 0 at 5060"),
-    (dict(first=NUM_ITEMS + 5, unknown=True), "ITEM_IDS"),
+    (dict(empty_id=True), "ITEM_IDS: item 0 is ''; an item id is 1 to 256 bytes"),
 ])
 def test_encoder_refused_request_changes_nothing(encoder, bad, message):
-    """Bad options, events out of time order, unknown items: refused with END set, the log and the cache as they were."""
+    """Bad options, events out of time order, an empty item id: refused with END set, the log and the cache as they were."""
     import re
 
     before = one(encoder, events_request(11, 1, 4, before=0, flags=START))
-    kwargs = dict(first=5, t0=5000) | {k: v for k, v in bad.items() if k not in ("unknown", "backwards")}
+    kwargs = dict(first=5, t0=5000) | {k: v for k, v in bad.items() if k not in ("empty_id", "backwards")}
     request = events_request(11, kwargs.pop("first"), 2, before=4, flags=END, t0=kwargs.pop("t0"), **kwargs)
     if bad.get("backwards"):  # a request whose own events go back in time
         request.inputs[P.TIMESTAMPS.name] = np.array([[5060, 5000]], np.int64)
-    if bad.get("unknown"):
-        request.inputs[P.ITEM_IDS.name] = np.array([[b"no-such-item", b"sku-1"]], dtype=object)
+    if bad.get("empty_id"):
+        request.inputs[P.ITEM_IDS.name] = np.array([[b"", b"sku-1"]], dtype=object)
     refused = one(encoder, request)
     assert refused.status == P.INVALID_ARGUMENT and re.search(message, refused.error), refused.error
     assert state(encoder, 11) == {"logged": 4, "cached": 4}
     after = one(encoder, events_request(11, 1, 0, before=4))
     np.testing.assert_array_equal(after.outputs[P.HISTORY_STATES.name], before.outputs[P.HISTORY_STATES.name])
+
+
+def test_encoder_accepts_events_on_items_it_does_not_know(encoder, published):
+    """An event naming an item the version was not trained on is accepted, logged with its raw id and
+    encoded with the learned unknown-item vector (its position, action and time count); UNKNOWN_ITEMS
+    says how many of the history's events are such; a rebuild from the log encodes the same."""
+    _, model = published
+    request = events_request(19, 1, 3, before=0, flags=START)
+    request.inputs[P.ITEM_IDS.name][0, 1] = "new-sku-\u00e9".encode()
+    opened = one(encoder, request)
+    assert scalars(opened)["count"] == 3 and int(opened.outputs[P.UNKNOWN_ITEMS.name][0, 0]) == 1
+    assert encoder.log.tail("i:19", 3).items == [item_id(1), "new-sku-\u00e9", item_id(3)]
+    idx = torch.tensor([[1, model.unknown_index, 3]])
+    with torch.no_grad():
+        want = model.encode(idx, torch.ones_like(idx), torch.tensor([[1000, 1060, 1120]]), torch.tensor([3])).states
+    np.testing.assert_allclose(opened.outputs[P.HISTORY_STATES.name], want.numpy(), atol=1e-5)
+    unk = model.backbone.item_embedding.weight.detach()[model.unknown_index]
+    assert float(unk.norm()) > 0 and not any(torch.equal(unk, row) for row in model.backbone.item_embedding.weight.detach()[:-1])
+    appended = one(encoder, events_request(19, 5, 1, before=3, t0=2000))
+    assert scalars(appended)["count"] == 4 and int(appended.outputs[P.UNKNOWN_ITEMS.name][0, 0]) == 1
+    encoder.store.discard("i:19")  # rebuilt from the log: the unknown id read back, encoded the same
+    rebuilt = one(encoder, events_request(19, 1, 0, before=4))
+    assert scalars(rebuilt)["restored"] and int(rebuilt.outputs[P.UNKNOWN_ITEMS.name][0, 0]) == 1
+    np.testing.assert_allclose(rebuilt.outputs[P.HISTORY_STATES.name], appended.outputs[P.HISTORY_STATES.name], atol=1e-5)
 
 
 def test_encoder_handles_one_sessions_requests_in_order_and_others_together(encoder):
@@ -348,8 +372,9 @@ def test_encoder_refuses_huge_values_with_a_short_message(encoder):
     request = events_request(17, 1, 2, before=0, flags=START)
     request.inputs[P.ITEM_IDS.name] = np.array([[b"x" * (1 << 20), b"sku-1"]], dtype=object)
     refused = one(encoder, request)
-    assert refused.status == P.INVALID_ARGUMENT and "unknown item ids: 'xxx" in refused.error
+    assert refused.status == P.INVALID_ARGUMENT and "ITEM_IDS: item 0 is 'xxx" in refused.error
     assert len(refused.error) < 300 and f"({1 << 20} characters)" in refused.error
+    assert state(encoder, 17) == {"logged": 0, "cached": None}
     refused = one(encoder, events_request(17, 1, 2, before=0, flags=START, DECODE_MODE="m" * (1 << 20)))
     assert refused.status == P.INVALID_ARGUMENT and "DECODE_MODE" in refused.error and len(refused.error) < 300
 

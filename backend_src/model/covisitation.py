@@ -82,6 +82,9 @@ class CoVisitation(nn.Module):
         gaps = torch.arange(1, self.window + 1, device=candidates.device)  # [G]
         at = (history > 0).sum(1, keepdim=True) - gaps  # [B, G]: where h_{n+1-g} is, < 0 where the history is shorter
         before = history.gather(1, at.clamp_min(0)).masked_fill(at < 0, 0)  # [B, G], 0 = none
+        # an item the counts never saw (the unknown item, a catalog addition: rows past num_items) has none
+        before = before.masked_fill(before > self.num_items, 0)
+        candidates = candidates.masked_fill(candidates > self.num_items, 0)
         query = before[:, :, None] * (self.num_items + 1) + candidates[:, None, :]  # [B, G, W]; item 0 never in a key
         found = torch.searchsorted(self.pair_keys, query).clamp_max(self.pairs - 1)
         counts = torch.where(self.pair_keys[found] == query, self.pair_weights[found], 0.0)

@@ -311,7 +311,9 @@ class HSTUEncoder(nn.Module):
         super().__init__()
         self.cfg = cfg
         D = cfg.d_model
-        self.item_embedding = nn.Embedding(cfg.num_items + 1, D, padding_idx=0)
+        # rows: 0 padding, 1..I the trained items, I + 1 the learned unknown item (an event naming an
+        # item the model was not trained on: trained by hiding a share of the history's items)
+        self.item_embedding = nn.Embedding(cfg.num_items + 2, D, padding_idx=0)
         self.action_embedding = nn.Embedding(cfg.num_actions, D)
         nn.init.trunc_normal_(self.item_embedding.weight, std=0.02)
         nn.init.trunc_normal_(self.action_embedding.weight, std=0.02)
@@ -329,20 +331,52 @@ class HSTUEncoder(nn.Module):
             nn.init.trunc_normal_(self.code_embedding.weight, std=0.02)
             with torch.no_grad():
                 self.code_embedding.weight[rows].zero_()
-            self.register_buffer("item_code_rows", torch.full((cfg.num_items + 1, L), rows, dtype=torch.long))
+            self.register_buffer("item_code_rows", torch.full((cfg.num_items + 2, L), rows, dtype=torch.long))
+        # the code embeddings a written checkpoint keeps beside its folded item table (code_vectors)
+        self.register_buffer("catalog_code_embedding", torch.zeros(0, D))
         self.input_dropout = Dropout(cfg.dropout)
         self.layers = nn.ModuleList(HSTULayer(cfg) for _ in range(cfg.num_layers))
         self.final_norm = nn.LayerNorm(D)
         self.embed_scale = math.sqrt(D)
 
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # a checkpoint from before the unknown-item row: that row starts at zero (the event's
+        # action, position and time still count)
+        for name in ("item_embedding.weight", "item_code_rows"):
+            old = state_dict.get(prefix + name)
+            if old is not None and old.shape[0] == self.cfg.num_items + 1:
+                fill = old[:1] if name == "item_code_rows" else torch.zeros_like(old[:1])
+                state_dict[prefix + name] = torch.cat([old, fill])
+        stored = state_dict.setdefault(prefix + "catalog_code_embedding", torch.zeros(0, self.cfg.d_model))
+        self.catalog_code_embedding = torch.empty_like(stored)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    @property
+    def unknown_index(self) -> int:
+        return self.cfg.num_items + 1
+
     def set_item_codes(self, codes: torch.Tensor) -> None:
         """codes [I + 1, levels] (the codebook's; row 0, padding, all -1): each item's rows of
-        code_embedding, one per level (level t's codes after those of the levels before it)."""
+        code_embedding, one per level (level t's codes after those of the levels before it); the
+        unknown item's row has none."""
         L = self.cfg.code_embedding_levels
         sizes = torch.tensor([int(c) for c in self.cfg.codebook_sizes[:L]])
         offsets = torch.cumsum(sizes, 0) - sizes
         codes = codes[:, :L].cpu()
-        self.item_code_rows.copy_(torch.where(codes >= 0, codes + offsets, int(sizes.sum())))
+        rows = torch.where(codes >= 0, codes + offsets, int(sizes.sum()))
+        self.item_code_rows[: rows.shape[0]].copy_(rows)
+
+    def code_vectors(self, codes: torch.Tensor) -> torch.Tensor:
+        """codes [n, L] semantic IDs -> [n, D]: the sum of their code embeddings over the levels the
+        model trained them for, the part of a trained item's vector its codes give (an item added
+        to the catalog has no row of its own). The unknown item's vector where the model has none."""
+        table = self.code_embedding.weight if self.code_embedding is not None else self.catalog_code_embedding
+        levels = self.cfg.code_embedding_levels or self.cfg.catalog_code_levels
+        if not levels or not table.numel():
+            return self.item_embedding.weight[self.unknown_index].detach().expand(codes.shape[0], -1).clone()
+        sizes = torch.tensor([int(c) for c in self.cfg.codebook_sizes[:levels]])
+        offsets = (torch.cumsum(sizes, 0) - sizes).to(codes.device)
+        return table.detach()[codes[:, :levels] + offsets].sum(1)
 
     def item_vectors(self, items: torch.Tensor) -> torch.Tensor:
         """[...] item ids -> [..., D]: E_item[item], plus its codes' embeddings while training with them."""
@@ -352,8 +386,8 @@ class HSTUEncoder(nn.Module):
         return e
 
     def item_table(self) -> torch.Tensor:
-        """[I + 1, D]: every item's vector (item_vectors of 0..I; the item embedding's weight when
-        there are no code embeddings)."""
+        """[I + 2, D]: every item's vector (item_vectors of 0..I + 1; the item embedding's weight
+        when there are no code embeddings)."""
         if self.code_embedding is None:
             return self.item_embedding.weight
         return self.item_embedding.weight + self.code_embedding(self.item_code_rows).sum(-2)
@@ -361,8 +395,11 @@ class HSTUEncoder(nn.Module):
     def embed(self, items: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
         """[B, M] ids -> [B, M, D] input tokens (embeddings are small at init; sqrt(D) scaling
         brings them to unit scale next to the residual stream)."""
-        x = (self.item_vectors(items) + self.action_embedding(actions)) * self.embed_scale
-        return self.input_dropout(x)
+        return self.embed_vectors(self.item_vectors(items), actions)
+
+    def embed_vectors(self, vectors: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
+        """`embed` of items given by their vectors [B, M, D]."""
+        return self.input_dropout((vectors + self.action_embedding(actions)) * self.embed_scale)
 
     # ---- full encode ------------------------------------------------------------------------
     def forward(

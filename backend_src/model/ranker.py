@@ -42,10 +42,11 @@ class MFalconRanker(nn.Module):
     def candidate_states(
         self,
         cache: HistoryCache,
-        candidates: torch.Tensor,  # [B, M] long
+        candidates: torch.Tensor | None,  # [B, M] long
         num_history: torch.Tensor,  # [B] long: history rows each user's candidates see
         cand_ts: torch.Tensor,  # [B] long: the candidates' timestamp
         microbatch_size: int | None = None,
+        vectors: torch.Tensor | None = None,  # [B, M, D]: the candidates' item vectors instead of their ids
     ) -> torch.Tensor:
         """Final (normalized) states [B, M, D] of the candidate tokens at position num_history[b].
 
@@ -53,17 +54,19 @@ class MFalconRanker(nn.Module):
         candidate rows], q_self points each candidate at its own key, so candidates never see
         each other and the history K/V is read from the cache, never recomputed.
         """
-        B, M = candidates.shape
+        B, M = (candidates if vectors is None else vectors).shape[:2]
         N = cache.num_rows
         bm = M if not microbatch_size else max(1, min(int(microbatch_size), M))
-        dev = candidates.device
+        dev = num_history.device
         hist_pos = torch.arange(N, device=dev).expand(B, N)
         layers = self.backbone.layers
         out = []
         for s in range(0, M, bm):  # microbatches; everything inside is batched over users
-            c = candidates[:, s : s + bm]
-            m = c.shape[1]
-            x = self.backbone.embed(c, torch.full_like(c, RANK_ACTION))  # [B, m, D]
+            part = candidates[:, s : s + bm] if vectors is None else vectors[:, s : s + bm]
+            m = part.shape[1]
+            action = torch.full_like(part if vectors is None else part[..., 0], RANK_ACTION, dtype=torch.long)
+            embed = self.backbone.embed if vectors is None else self.backbone.embed_vectors
+            x = embed(part, action)  # [B, m, D]
             q_pos = num_history[:, None].expand(B, m)
             q_ts = cand_ts[:, None].expand(B, m)
             k_pos = torch.cat([hist_pos, q_pos], dim=1)  # [B, N + m]
@@ -78,14 +81,16 @@ class MFalconRanker(nn.Module):
                 x = layer.output(x, attn, u)
             out.append(self.backbone.final_norm(x))
         if not out:
-            return candidates.new_zeros((B, 0, self.cfg.d_model), dtype=torch.float32)
+            return torch.zeros((B, 0, self.cfg.d_model), dtype=torch.float32, device=dev)
         return torch.cat(out, dim=1)
 
-    def head_logits(self, states: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
-        """[B, M, D] candidate states -> [B, M] logits; padding candidates (id 0) get -inf."""
-        e = self.backbone.item_vectors(candidates) * self.backbone.embed_scale
+    def head_logits(self, states: torch.Tensor, candidates: torch.Tensor | None,
+                    vectors: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, M, D] candidate states -> [B, M] logits; padding candidates (id 0) get -inf (given
+        by their item vectors [B, M, D] instead of their ids: no candidate is padding)."""
+        e = (self.backbone.item_vectors(candidates) if vectors is None else vectors) * self.backbone.embed_scale
         logits = self.head(states).squeeze(-1) + (states * e).sum(-1) / states.shape[-1] ** 0.5
-        return logits.masked_fill(candidates == 0, float("-inf"))
+        return logits if candidates is None else logits.masked_fill(candidates == 0, float("-inf"))
 
     # ---- serving ------------------------------------------------------------------------
     def score(self, cache: HistoryCache, candidates: torch.Tensor, microbatch_size: int = RANKER_MICROBATCH) -> torch.Tensor:

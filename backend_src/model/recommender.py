@@ -27,12 +27,13 @@ from genrec_contract.protocol import preview
 
 CHECKPOINT_FORMAT = 1
 # What each served stage runs; its artifact (save_stage) holds these parts only. "vocabulary" is
-# the raw item ids (the encoder reads them in, the ranker writes them out).
+# the raw item ids (the encoder reads them in, the ranker writes them out); every stage holds it and
+# the codebook, with which it places the catalog's added items as the others do (model/catalog.py).
 MODEL_PARTS = ("backbone", "decoder", "ranker", "covisitation", "codebook", "vocabulary")
 STAGE_PARTS = {
-    "encoder": ("backbone", "vocabulary"),
-    "decoder": ("decoder", "codebook"),
-    "ranker": ("backbone", "ranker", "covisitation", "vocabulary"),
+    "encoder": ("backbone", "codebook", "vocabulary"),
+    "decoder": ("decoder", "codebook", "vocabulary"),
+    "ranker": ("backbone", "ranker", "covisitation", "codebook", "vocabulary"),
 }
 
 
@@ -145,6 +146,11 @@ class GenerativeRecommender(nn.Module):
             item_ids = [None]
         self.item_ids = np.asarray(item_ids, dtype=object)  # raw id of each item index; [0] = None
         self._index = {str(raw): i for i, raw in enumerate(self.item_ids) if i > 0}
+        # the rows of the item table that are items: not the padding row, not the unknown item's
+        live = torch.zeros(cfg.num_items + 2, dtype=torch.bool)
+        live[1 : cfg.num_items + 1] = True
+        self.register_buffer("item_live", live, persistent=False)
+        self.rows_in_use = cfg.num_items + 2  # rows past these hold nothing yet (an ItemCatalog's reserve)
 
     # ---------------------------------------------------------------- persistence
     def save(self, path, metadata: dict | None = None, fold_codes: bool = True) -> None:
@@ -154,10 +160,12 @@ class GenerativeRecommender(nn.Module):
             raise ValueError(f"a checkpoint needs the whole model; this one has {self.parts} (save_stage?)")
         state, cfg = self.state_dict(), self.cfg
         if fold_codes and self.backbone.code_embedding is not None:
-            table = self.backbone.item_table().detach().clone()
-            state = {k: table if k.endswith("backbone.item_embedding.weight") else v for k, v in state.items()
+            folded = {"backbone.item_embedding.weight": self.backbone.item_table().detach().clone(),
+                      # kept: the catalog builds an added item's vector from its codes' embeddings
+                      "backbone.catalog_code_embedding": self.backbone.code_embedding.weight.detach().clone()}
+            state = {k: next((t for name, t in folded.items() if k.endswith(name)), v) for k, v in state.items()
                      if not k.endswith(("backbone.item_code_rows", "backbone.code_embedding.weight"))}
-            cfg = dataclasses.replace(cfg, code_embedding_levels=0)
+            cfg = dataclasses.replace(cfg, code_embedding_levels=0, catalog_code_levels=cfg.code_embedding_levels)
         self._write(path, state, metadata or {}, cfg=cfg)
 
     def save_stage(self, path, stage: str, metadata: dict | None = None) -> None:
@@ -225,23 +233,50 @@ class GenerativeRecommender(nn.Module):
         return cls(cfg, codebook, list(item_ids)).eval()
 
     # ---------------------------------------------------------------- vocabulary
+    @property
+    def unknown_index(self) -> int:
+        """The item index of an item the model does not know (its learned unknown-item vector)."""
+        return self.cfg.num_items + 1
+
     def item_indices(self, raw_ids: Sequence, strict: bool = True) -> np.ndarray:
-        """Raw ids -> item indices. Unknown ids raise KeyError naming them, or map to 0 (the
-        padding index) when not `strict` (a history logged under another catalog version)."""
-        get = self._index.get  # indices start at 1: 0 is what an unknown id gets
+        """Raw ids -> item indices. Unknown ids raise KeyError naming them, or map to
+        `unknown_index` when not `strict` (events are never refused for their item)."""
+        get = self._index.get  # indices start at 1: 0 marks an id not found yet
         out = np.fromiter(map(get, raw_ids, repeat(0)), dtype=np.int64, count=len(raw_ids))  # ids as str: one pass of C
         for j in np.flatnonzero(out == 0):  # bytes or ints name the item their str form names
             raw = raw_ids[j]
             out[j] = get(raw.decode() if isinstance(raw, bytes) else str(raw), 0)
-        unknown = [raw_ids[j] for j in np.flatnonzero(out == 0)] if strict else []
-        if unknown:
-            shown = ", ".join(preview(u) for u in unknown[:5])  # an id may be as long as a request allows
-            more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
+        missing = np.flatnonzero(out == 0)
+        if len(missing) and strict:
+            shown = ", ".join(preview(raw_ids[j]) for j in missing[:5])  # an id may be as long as a request allows
+            more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
             raise KeyError(f"unknown item ids: {shown}{more}")
+        out[missing] = self.unknown_index
         return out
 
-    def raw_ids(self, indices: torch.Tensor) -> np.ndarray:
-        return self.item_ids[indices.cpu().numpy()]
+    @property
+    def item_rows(self) -> int:
+        """Rows of the item table: padding, the items, the unknown item (and an ItemCatalog's reserve)."""
+        return int(self.item_live.shape[0])
+
+    @property
+    def vocabulary_size(self) -> int:
+        """Raw ids this model maps (0 for a stage without the vocabulary)."""
+        return len(self._index)
+
+    def add_vocabulary(self, raw_ids: Sequence, first_row: int) -> None:
+        """Items added to the catalog: raw_ids[j] is row first_row + j."""
+        self._index.update((str(raw), first_row + j) for j, raw in enumerate(raw_ids))
+        self._row_ids = None
+
+    def row_ids(self) -> np.ndarray:
+        """The raw id of every row of the item table (None where a row is no item)."""
+        if getattr(self, "_row_ids", None) is None or len(self._row_ids) != self.item_rows:
+            out = np.full(self.item_rows, None, dtype=object)
+            for raw, row in self._index.items():
+                out[row] = raw
+            self._row_ids = out
+        return self._row_ids
 
     # ---------------------------------------------------------------- inference
     def encode(self, items, actions, timestamps, lengths) -> HistoryCache:
@@ -261,19 +296,18 @@ class GenerativeRecommender(nn.Module):
     def dense_operands(self, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(query [..., D], item table [I+1, D]) whose products are the dense head's scores:
         state . E_item, or cos(state, E_item) / cfg.dense_temperature when that is > 0."""
-        emb = self.backbone.item_table()
+        emb = self.backbone.item_table()[: self.rows_in_use]
         t = self.cfg.dense_temperature
         if t > 0:
             return F.normalize(states, dim=-1) / t, F.normalize(emb, dim=-1)
         return states, emb
 
     def dense_scores(self, states: torch.Tensor) -> torch.Tensor:
-        """states [..., D] -> [..., I+1] scores of every item by the dense auxiliary head
-        (item 0, the padding row, scores -inf)."""
+        """states [..., D] -> [..., rows] scores of every row of the item table by the dense
+        auxiliary head; the rows that are no item (0, the padding row, and the unknown item's)
+        score -inf."""
         query, emb = self.dense_operands(states)
-        scores = query @ emb.T
-        scores[..., 0] = float("-inf")
-        return scores
+        return (query @ emb.T).masked_fill_(~self.item_live[: self.rows_in_use], float("-inf"))
 
     def dense_log_probs(self, user_states: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
         """user_states [B, D] (each history's last state), candidates [B, W] item indices -> [B, W]

@@ -31,20 +31,24 @@ QUANTIZERS = ("kmeans", "rq-vae", "rq-vae-collaborative")
 # Residual k-means
 # --------------------------------------------------------------------------------------------
 def residual_kmeans(
-    x: torch.Tensor, sizes=(256, 256, 256), iters: int = 25, seed: int = 0, balanced: bool = False
-) -> torch.Tensor:
+    x: torch.Tensor, sizes=(256, 256, 256), iters: int = 25, seed: int = 0, balanced: bool = False,
+    return_centers: bool = False,
+):
     """Residual quantization: level l clusters the residual x - sum_{m<l} center_m(x).
 
     x [I, D] -> codes [I, len(sizes)] (level l codes lie in 0..min(sizes[l], I)-1); balanced: each
-    level's codes hold at most ceil(I / size) items each.
+    level's codes hold at most ceil(I / size) items each. return_centers: (codes, [each level's
+    centers [C_l, D]]), the quantizer an item the codes were not fit on is placed with.
     """
     residual = x.float().clone()
-    codes = []
+    codes, levels = [], []
     for level, size in enumerate(sizes):
         assign, centers = kmeans(residual, size, iters=iters, seed=seed + level, balanced=balanced)
         codes.append(assign)
+        levels.append(centers)
         residual = residual - centers[assign]
-    return torch.stack(codes, dim=1)
+    codes = torch.stack(codes, dim=1)
+    return (codes, levels) if return_centers else codes
 
 
 def assign_collision_codes(codes3: torch.Tensor) -> torch.Tensor:
@@ -210,6 +214,15 @@ def sequential_embeddings(data, end_offset: int = 2, dim: int = 64, epochs: int 
 ITEM_EMBEDDING_SOURCES = ("auto", "text", "text-encoder", "collaborative", "text+collaborative", "sequential")
 
 
+def embedding_sources(data, sources: str = "auto") -> str:
+    """`sources` with "auto" resolved: text where the data has item text, otherwise collaborative."""
+    if sources not in ITEM_EMBEDDING_SOURCES:
+        raise ValueError(f"sources must be one of {ITEM_EMBEDDING_SOURCES}, got {sources!r}")
+    if sources == "auto":
+        return "text" if getattr(data, "item_text", None) else "collaborative"
+    return sources
+
+
 def build_item_embeddings(
     data, dim: int = 64, window: int = 5, attribute_weight: float = 0.5, seed: int = 0, end_offset: int = 2,
     sources: str = "auto",
@@ -227,12 +240,9 @@ def build_item_embeddings(
     A tiny seeded jitter separates items with identical embeddings (e.g. items never seen
     together with others) so k-means does not pile them all into one collision group.
     """
-    if sources not in ITEM_EMBEDDING_SOURCES:
-        raise ValueError(f"sources must be one of {ITEM_EMBEDDING_SOURCES}, got {sources!r}")
+    sources = embedding_sources(data, sources)
     num_items = int(data.num_items)
     item_text = getattr(data, "item_text", None)
-    if sources == "auto":
-        sources = "text" if item_text else "collaborative"
     wanted = sources.split("+")
     if {"text", "text-encoder"} & set(wanted) and not item_text:
         raise ValueError(f"item embeddings from {sources!r}: this data set has no item text")
@@ -272,9 +282,11 @@ class SemanticIdCodebook(nn.Module):
       leaf_item  [P_L]     final prefix id -> item index
     """
 
-    def __init__(self, codes: torch.Tensor | None = None, num_levels: int = NUM_LEVELS):
+    def __init__(self, codes: torch.Tensor | None = None, num_levels: int = NUM_LEVELS, centers: list | None = None):
         """codes [I, L] of items 1..I (unique rows). None makes an empty placeholder of
-        `num_levels` levels that a state dict loads into."""
+        `num_levels` levels that a state dict loads into. centers: the residual k-means centers
+        [C_t, E] of levels 0..L-2 the codes were fit with (kept: the catalog places new items with
+        them), or None."""
         super().__init__()
         if codes is None:
             codes = torch.zeros(0, num_levels, dtype=torch.long)
@@ -284,6 +296,8 @@ class SemanticIdCodebook(nn.Module):
         if codes.numel() and codes.min() < 0:
             raise ValueError("codes must be >= 0")
         n, self.num_levels = codes.shape
+        for t in range(self.num_levels - 1):
+            self.register_buffer(f"center_{t}", torch.as_tensor(centers[t]).float() if centers else torch.zeros(0, 0))
         sizes = codes.max(0).values + 1 if n else torch.ones(self.num_levels, dtype=torch.long)
         self.register_buffer("codes", torch.cat([torch.full((1, self.num_levels), -1), codes]))
         self.register_buffer("sizes", sizes.clone())
@@ -361,12 +375,14 @@ class SemanticIdCodebook(nn.Module):
             if quantizer == "rq-vae-collaborative":
                 offsets, items = training_events(data, end_offset)
                 aligned = collaborative_embeddings(offsets, items, int(data.num_items), dim, seed=seed)
-            codes3 = rq_vae_codes(embeddings, sizes, seed=seed, aligned=aligned, log=log)
+            codes3, centers = rq_vae_codes(embeddings, sizes, seed=seed, aligned=aligned, log=log), None
         else:
-            codes3 = residual_kmeans(embeddings, sizes, iters=iters, seed=seed, balanced=balanced)
-        return cls(assign_collision_codes(codes3))
+            codes3, centers = residual_kmeans(embeddings, sizes, iters=iters, seed=seed, balanced=balanced, return_centers=True)
+        return cls(assign_collision_codes(codes3), centers=centers)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        for t in range(self.num_levels - 1):  # a checkpoint from before the centers were kept: none
+            state_dict.setdefault(f"{prefix}center_{t}", torch.zeros(0, 0))
         # table shapes depend on the data: adopt the stored shapes before the normal copy
         for name in list(self._buffers):
             key = prefix + name
@@ -374,6 +390,30 @@ class SemanticIdCodebook(nn.Module):
                 self._buffers[name] = torch.empty_like(state_dict[key], device=self._buffers[name].device)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         self._build_decode_tables()
+
+    # ---- placing an item the codes were not fit on -----------------------------------------
+    @property
+    def has_quantizer(self) -> bool:
+        return all(self.get_buffer(f"center_{t}").numel() for t in range(self.num_levels - 1))
+
+    def quantize(self, x: torch.Tensor, alternatives: int = 1) -> torch.Tensor:
+        """Content embeddings x [n, E] (the space the codes were fit in) -> [n, alternatives, L - 1]
+        codes: the nearest center per level of the residual left by the levels before, and in
+        column a > 0 the same with the last level's (a+1)-th nearest center instead (where the
+        nearest one's collision codes are all taken)."""
+        residual = x.float()
+        codes = []
+        for t in range(self.num_levels - 1):
+            centers = self.get_buffer(f"center_{t}")
+            d = torch.cdist(residual, centers)
+            if t < self.num_levels - 2:
+                c = d.argmin(1)
+                codes.append(c[:, None].expand(-1, alternatives))
+                residual = residual - centers[c]
+            else:
+                codes.append(d.topk(min(alternatives, d.shape[1]), dim=1, largest=False).indices)
+        k = codes[-1].shape[1]
+        return torch.stack([c[:, :k] for c in codes], dim=-1)
 
     # ---- queries ----------------------------------------------------------------------------
     @property

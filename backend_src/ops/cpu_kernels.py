@@ -256,7 +256,8 @@ def covisit_scores(history, candidates, pair_keys, pair_weights, num_items, wind
     """The co-visitation expert's score (model/covisitation.py, whose torch composition is the
     reference): out[b, w] = log(1 + sum_g decay^(g-1) C[h_(n+1-g), c]) over the last `window` of
     the n events of history[b] (events first, 0 after), c = candidates[b, w]; C read from the
-    sorted pair keys a * (num_items + 1) + c by binary search."""
+    sorted pair keys a * (num_items + 1) + c by binary search; an item past num_items (the unknown
+    item, a catalog addition) has no counts."""
     B, W = candidates.shape
     P = pair_keys.shape[0]
     for b in range(B):
@@ -268,7 +269,7 @@ def covisit_scores(history, candidates, pair_keys, pair_weights, num_items, wind
             total = np.float32(0.0)
             weight = np.float32(1.0)
             for g in range(1, window + 1):
-                if n - g >= 0 and history[b, n - g] > 0:
+                if n - g >= 0 and 0 < history[b, n - g] <= num_items and 0 < c <= num_items:
                     key = history[b, n - g] * (num_items + 1) + c
                     i = np.searchsorted(pair_keys, key)
                     if i < P and pair_keys[i] == key:

@@ -10,9 +10,12 @@ Graph contract (all backends):
     history_values      [L, B, n, H, dv]  float32
     history_timestamps  [B, n]            int64     seconds; rows >= length are padding
     history_lengths     [B]               int64
-    candidates          [B, m]            int64     item indices, 0 = padding
- -> scores              [B, m]            float32   logits; padding candidates get -inf
+    candidate_vectors   [B, m, D]         float32   the candidates' item vectors
+ -> scores              [B, m]            float32   logits
 B, n and m are dynamic; n >= 1 (an empty history is passed as one padding row, length 0).
+The candidates come as vectors, read by `score` from the model's live item table, so an item the
+catalog adds after export (model/catalog.py) is scored like any other; `score` gives padding
+candidates (item 0) -inf.
 """
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ from backend_src.model.hstu import HistoryCache
 from backend_src.model.ranker import MFalconRanker
 from backend_src.ops.reference import row_mask
 
-INPUT_NAMES = ("history_keys", "history_values", "history_timestamps", "history_lengths", "candidates")
+INPUT_NAMES = ("history_keys", "history_values", "history_timestamps", "history_lengths", "candidate_vectors")
 OUTPUT_NAME = "scores"
 # which input axis is which dynamic dimension (None: fixed by the model config)
 INPUT_AXES = {
@@ -35,7 +38,7 @@ INPUT_AXES = {
     "history_values": (None, "B", "n", None, None),
     "history_timestamps": ("B", "n"),
     "history_lengths": ("B",),
-    "candidates": ("B", "m"),
+    "candidate_vectors": ("B", "m", None),
 }
 OUTPUT_AXES = ("B", "m")
 BACKENDS = ("torch", "onnxruntime", "tensorrt", "routed")
@@ -66,7 +69,7 @@ class RankerGraph(nn.Module):
         super().__init__()
         self.ranker = ranker
 
-    def forward(self, history_keys, history_values, history_timestamps, history_lengths, candidates):
+    def forward(self, history_keys, history_values, history_timestamps, history_lengths, candidate_vectors):
         B, n = history_timestamps.shape
         cache = HistoryCache(
             keys=history_keys,
@@ -78,8 +81,8 @@ class RankerGraph(nn.Module):
         # candidate time = last history timestamp (0 for an empty history), as in score()
         last = (history_lengths - 1).clamp(min=0)
         cand_ts = history_timestamps.gather(1, last[:, None]).squeeze(1) * (history_lengths > 0)
-        states = self.ranker.candidate_states(cache, candidates, history_lengths, cand_ts, None)
-        return self.ranker.head_logits(states, candidates)
+        states = self.ranker.candidate_states(cache, None, history_lengths, cand_ts, None, vectors=candidate_vectors)
+        return self.ranker.head_logits(states, None, vectors=candidate_vectors)
 
 
 def example_inputs(cfg, B: int = 2, n: int = 5, m: int = 3, seed: int = 0):
@@ -93,8 +96,8 @@ def example_inputs(cfg, B: int = 2, n: int = 5, m: int = 3, seed: int = 0):
     keys = torch.randn(L, B, n, H, d, generator=g) * valid[None, :, :, None, None]
     values = torch.randn(L, B, n, H, d, generator=g) * valid[None, :, :, None, None]
     ts = (1_600_000_000 + torch.randint(0, 10**5, (B, n), generator=g).cumsum(1)) * valid
-    cands = torch.randint(1, cfg.num_items + 1, (B, m), generator=g)
-    return keys, values, ts, lengths, cands
+    vectors = torch.randn(B, m, cfg.d_model, generator=g) * 0.1
+    return keys, values, ts, lengths, vectors
 
 
 # ------------------------------------------------------------------------------------------
@@ -107,13 +110,14 @@ class RankerRuntime:
     ``.from_version_dir(dir, model)``. ``provider`` names what actually executes the graph.
     """
 
-    def __init__(self, backend: str, runner, provider: str, device: str = "cpu"):
+    def __init__(self, backend: str, runner, provider: str, device: str = "cpu", item_vectors=None):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         self.backend = backend
         self.provider = provider
         self.device = device
-        self._run = runner  # (keys, values, ts, lengths, cands) torch tensors -> [B, m] torch
+        self._run = runner  # (keys, values, ts, lengths, candidate vectors) torch tensors -> [B, m] torch
+        self.item_vectors = item_vectors  # item ids [B, M] -> [B, M, D]: the model's live item table
 
     # ---- constructors ---------------------------------------------------------------------
     @classmethod
@@ -129,10 +133,10 @@ class RankerRuntime:
             with torch.inference_mode():
                 return graph(*(t.to(dev) for t in inputs))
 
-        return cls("torch", run, f"torch:{dev}", dev)
+        return cls("torch", run, f"torch:{dev}", dev, ranker.backbone.item_vectors)
 
     @classmethod
-    def onnxruntime(cls, onnx_path, num_threads: int | None = None) -> "RankerRuntime":
+    def onnxruntime(cls, onnx_path, item_vectors=None, num_threads: int | None = None) -> "RankerRuntime":
         import onnxruntime as ort
 
         opts = ort.SessionOptions()
@@ -152,13 +156,13 @@ class RankerRuntime:
             feed = {name: t.detach().cpu().numpy() for name, t in zip(INPUT_NAMES, inputs)}
             return torch.from_numpy(sess.run([OUTPUT_NAME], feed)[0])
 
-        runtime = cls("onnxruntime", run, sess.get_providers()[0], "cpu")
+        runtime = cls("onnxruntime", run, sess.get_providers()[0], "cpu", item_vectors)
         runtime.session = sess
         return runtime
 
     @classmethod
-    def tensorrt(cls, plan_path, device: str = "cuda") -> "RankerRuntime":
-        return cls("tensorrt", _TensorRTRunner(plan_path, device), "TensorRT", device)
+    def tensorrt(cls, plan_path, item_vectors=None, device: str = "cuda") -> "RankerRuntime":
+        return cls("tensorrt", _TensorRTRunner(plan_path, device), "TensorRT", device, item_vectors)
 
     @classmethod
     def fastest_by_history(cls, runtimes: list, cfg, max_history: int, candidates: int = 64,
@@ -198,7 +202,7 @@ class RankerRuntime:
             return table[i][1]._run(keys, values, ts, lengths, cands)
 
         chosen = ", ".join(f"n<={n}: {rt.backend}" for n, rt in table)
-        return cls("routed", run, chosen, runtimes[0].device)
+        return cls("routed", run, chosen, runtimes[0].device, runtimes[0].item_vectors)
 
     @classmethod
     def from_version_dir(cls, path, model: nn.Module | None = None, backend: str = "auto",
@@ -217,30 +221,31 @@ class RankerRuntime:
                 backend = "onnxruntime"
             else:
                 backend = "torch"
-        if backend == "tensorrt":
-            return cls.tensorrt(plan)
-        if backend in ("torch", "onnxruntime") and model is None and (vdir / TORCH_FILE).exists():
+        if backend not in BACKENDS[:3]:
+            raise ValueError(f"backend must be 'auto' or one of {BACKENDS}, got {backend!r}")
+        if model is None and (vdir / TORCH_FILE).exists():
             from backend_src.model.recommender import GenerativeRecommender
 
             model = GenerativeRecommender.load(vdir / TORCH_FILE)
+        if model is None:  # every backend reads the candidates' vectors from the model's item table
+            raise ValueError(f"{vdir}: no {TORCH_FILE} and no model given: the ranker's item table is in it")
+        item_vectors = as_ranker(model).backbone.item_vectors
+        if backend == "tensorrt":
+            return cls.tensorrt(plan, item_vectors)
         if backend == "onnxruntime":
-            onnx = cls.onnxruntime(onnx_file)
-            if not auto or model is None:
+            onnx = cls.onnxruntime(onnx_file, item_vectors)
+            if not auto:
                 return onnx
             # neither is faster at every history length on a CPU: route by length
             return cls.fastest_by_history([onnx, cls.torch(model)], model.cfg, model.cfg.max_seq_len, candidates)
-        if backend == "torch":
-            if model is None:
-                raise ValueError(f"{vdir}: no {PLAN_FILE}/{ONNX_FILE} usable here and no torch model given")
-            return cls.torch(model)
-        raise ValueError(f"backend must be 'auto' or one of {BACKENDS}, got {backend!r}")
+        return cls.torch(model)
 
     # ---- scoring --------------------------------------------------------------------------
     def score(self, keys, values, timestamps, lengths, candidates, microbatch_size: int = RANKER_MICROBATCH):
         """Scores [B, M] (same type as ``candidates``: numpy in -> numpy out, else torch).
 
         keys/values [L, B, n, H, d], timestamps [B, n], lengths [B], candidates [B, M] (0 =
-        padding, scored -inf). The candidates go through the graph b_m at a time."""
+        padding, scored -inf). The candidates' vectors go through the graph b_m at a time."""
         as_numpy = isinstance(candidates, np.ndarray)
         keys, values = _tensor(keys, torch.float32), _tensor(values, torch.float32)
         timestamps, lengths = _tensor(timestamps, torch.long), _tensor(lengths, torch.long)
@@ -251,12 +256,15 @@ class RankerRuntime:
             keys, values = keys.new_zeros(L, B, 1, H, d), values.new_zeros(L, B, 1, H, values.shape[-1])
             timestamps = timestamps.new_zeros(B, 1)
         bm = max(1, int(microbatch_size or M))
+        with torch.inference_mode():
+            vectors = self.item_vectors(candidates.to(self.device)).float()
         parts = [
-            self._run(keys, values, timestamps, lengths, candidates[:, s : s + bm]).float()
+            self._run(keys, values, timestamps, lengths, vectors[:, s : s + bm]).float()
             for s in range(0, M, bm)  # microbatches; each call is batched over users
         ]
-        scores = torch.cat(parts, dim=1) if parts else torch.zeros(B, 0)
-        return scores.cpu().numpy() if as_numpy else scores
+        scores = torch.cat(parts, dim=1).cpu() if parts else torch.zeros(B, 0)
+        scores = scores.masked_fill(candidates == 0, float("-inf"))
+        return scores.numpy() if as_numpy else scores
 
     def score_cache(self, cache: HistoryCache, candidates, microbatch_size: int = RANKER_MICROBATCH):
         """``score`` on a HistoryCache."""

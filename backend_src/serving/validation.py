@@ -111,6 +111,18 @@ def decode_strings(arr: np.ndarray, name: str) -> list:
     return out
 
 
+def check_item_ids(ids: list, name: str) -> None:
+    """Item ids are 1..MAX_ITEM_ID_BYTES bytes of UTF-8: an unknown id is accepted (and logged), so
+    its size is bounded here."""
+    if not ids:
+        return
+    longest = max(map(len, ids))  # characters; bytes checked only where they could be over
+    if longest * 4 > P.MAX_ITEM_ID_BYTES or min(map(len, ids)) == 0:
+        for j, v in enumerate(ids):
+            if not v or len(v.encode()) > P.MAX_ITEM_ID_BYTES:
+                raise RequestError(f"{name}: item {j} is {preview(v)}; an item id is 1 to {P.MAX_ITEM_ID_BYTES} bytes of UTF-8")
+
+
 # ------------------------------------------------------------------------------------------
 # Events
 # ------------------------------------------------------------------------------------------
@@ -175,12 +187,6 @@ def check_timestamps(timestamps: np.ndarray, name: str, what: str = "event") -> 
         )
 
 
-def unknown_items_error(exc: KeyError) -> RequestError:
-    """The model's KeyError naming unknown item ids -> RequestError."""
-    msg = exc.args[0] if exc.args else str(exc)
-    return RequestError(f"ITEM_IDS: {msg}")
-
-
 # ------------------------------------------------------------------------------------------
 # Tensors between the stages (checked again by each stage: it can be called directly)
 # ------------------------------------------------------------------------------------------
@@ -238,13 +244,14 @@ def check_ranker_inputs(
     log_probs: np.ndarray,  # CANDIDATE_LOG_PROBS [1, W]
     codes: np.ndarray,  # CANDIDATE_CODES [1, W, C]
     *,
-    num_items: int,
+    item_rows: int,
     codebook_sizes: Sequence[int],
     max_history: int,
     max_candidates: int,
 ) -> None:
     """mfalcon_ranker: one n across the history inputs, one W across the candidate inputs, and
-    values in range (an empty beam is item 0 with log-prob -inf and codes -1)."""
+    values in range: item indices below item_rows, the rows of the model's item table (an empty
+    beam is item 0 with log-prob -inf and codes -1)."""
     # shapes first: the value checks below index the inputs together
     n = _one_size(
         "history inputs disagree on the number of rows n",
@@ -268,10 +275,10 @@ def check_ranker_inputs(
         raise RequestError(f"CANDIDATE_ITEMS has too many candidates: {W} > {max_candidates}")
 
     # values: the small inputs first, the history K/V (the bulk of the bytes) last
-    _check_indices(history_items[0], "HISTORY_ITEMS", num_items, "padding")
+    _check_indices(history_items[0], "HISTORY_ITEMS", item_rows - 1, "padding")
     check_timestamps(timestamps[0], "HISTORY_TIMESTAMPS", what="row")
     cands = candidates[0]
-    _check_indices(cands, "CANDIDATE_ITEMS", num_items, "empty beam")
+    _check_indices(cands, "CANDIDATE_ITEMS", item_rows - 1, "empty beam")
     lp = log_probs[0]
     if not lp.max() <= LOG_PROB_TOLERANCE:  # a NaN fails this test too
         bad = np.flatnonzero(~(lp <= LOG_PROB_TOLERANCE))

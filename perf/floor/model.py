@@ -55,6 +55,7 @@ class TritonPythonModel:
             "TRUNCATED": np.zeros((1, 1), np.int32),
             "EVENT_COUNT": np.array([[count]], np.int64),
             "RESTORED": np.zeros((1, 1), np.bool_),
+            "UNKNOWN_ITEMS": np.zeros((1, 1), np.int64),
         }
         return out
 

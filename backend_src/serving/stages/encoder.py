@@ -164,6 +164,7 @@ class EncoderStage:
         options = {spec.name: read(spec) for spec in P.OPTION_INPUTS}
         V.parse_options(options, self.defaults, self.default_top_k, self.limits)  # refuse bad options before any change
         ids = V.decode_strings(raw, P.ITEM_IDS.name)
+        V.check_item_ids(ids, P.ITEM_IDS.name)
         # the request's own events: counts, action ids, time order within the request
         V.check_events(len(ids), actions, timestamps, self.limits, start=False, session_last_timestamp=None)
         return _Request(index, P.session_key(cid), start, end, offset, ids, actions, timestamps)
@@ -252,8 +253,9 @@ class EncoderStage:
         )
 
     def _set_base(self, plan: _Plan, tail) -> None:
-        """The history before this request's events: the cached session's, or the log's tail
-        (items this version does not know are left out)."""
+        """The history before this request's events: the cached session's, or the log's tail (an
+        item this version does not know is encoded as the unknown item: its position, action and
+        time still count)."""
         if plan.session is not None:
             s = plan.session
             plan.base = (s.items, s.actions, s.timestamps)
@@ -262,8 +264,7 @@ class EncoderStage:
                 return
         elif plan.restored:
             items = self.model.item_indices(tail.items, strict=False)
-            keep = items > 0
-            items, actions, timestamps = (np.asarray(x, dtype=np.int64)[keep] for x in (items, tail.actions, tail.timestamps))
+            actions, timestamps = (np.asarray(x, dtype=np.int64) for x in (tail.actions, tail.timestamps))
             if timestamps.size:  # another writer's late events are logged as given (below): encoded at the time before them
                 timestamps = np.maximum.accumulate(timestamps)
             plan.base = tuple(torch.from_numpy(x) for x in (items, actions, timestamps))
@@ -277,10 +278,7 @@ class EncoderStage:
             # and encoded at that last time (their own order was checked in _parse), so the history's time
             # never goes back and the writer's events are not lost
             timestamps = np.maximum(timestamps, last)
-        try:
-            items = self.model.item_indices(ids)
-        except KeyError as e:
-            raise V.unknown_items_error(e) from None
+        items = self.model.item_indices(ids, strict=False)  # no event is refused for its item
         new = tuple(torch.from_numpy(np.ascontiguousarray(x, dtype=np.int64)) for x in (items, actions, timestamps))
         total = plan.base[0].shape[0] + new[0].shape[0]
         if plan.session is not None and total <= self.max_history:
@@ -400,6 +398,7 @@ class EncoderStage:
             P.TRUNCATED.name: np.array([[p.truncated]], dtype=np.int32),
             P.EVENT_COUNT.name: np.array([[p.count]], dtype=np.int64),
             P.RESTORED.name: np.array([[p.restored]], dtype=np.bool_),
+            P.UNKNOWN_ITEMS.name: np.array([[np.count_nonzero(items == self.model.unknown_index)]], dtype=np.int64),
         })
 
     def _log_unavailable(self, exc):

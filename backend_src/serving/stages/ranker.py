@@ -63,7 +63,7 @@ class RankerStage:
         if self.rank_by not in RANK_ORDERS:
             raise ValueError(f"rank_by must be one of {RANK_ORDERS}, got {self.rank_by!r}")
         self.max_elements = max((self.max_history + 1) * cfg.d_model * cfg.num_layers, self.max_beams * cfg.num_codes)
-        self.raw_ids = np.array([b"" if x is None else str(x).encode() for x in self.model.item_ids], dtype=object)
+        self.raw_ids = np.array([b"" if x is None else str(x).encode() for x in self.model.row_ids()], dtype=object)
         backend = RUNTIME_BACKENDS[params.get("ranker_backend", "auto")]
         # the routing is timed on one call of the default beam's candidates
         one_call = min(self.microbatch, V.decode_defaults(params).beam_width)
@@ -86,7 +86,7 @@ class RankerStage:
         # this model is reachable directly, not only through the ensemble: check before ranking
         V.check_ranker_inputs(
             states, keys, values, ts, history_items, cands, log_probs, codes,
-            num_items=self.model.cfg.num_items, codebook_sizes=self.model.cfg.codebook_sizes,
+            item_rows=self.model.item_rows, codebook_sizes=self.model.cfg.codebook_sizes,
             max_history=self.max_history, max_candidates=self.max_beams,
         )
         return Ranking(states[0, -1], keys[0], values[0], ts[0], history_items[0], cands[0], log_probs[0], codes[0], top_k, exclude_seen)
@@ -121,6 +121,7 @@ class RankerStage:
         its first min(TOP_K, its candidates) slots: a shorter list's padding is empty and sorts last."""
         pad = self._batch
         cands = pad([torch.from_numpy(r.candidates).clamp(min=0) for r in reqs])  # [B, M]; 0 = none
+        cands = cands.masked_fill(~self.model.item_live[cands], 0)  # a row that is no item (now) is an empty slot
         scores = self._scores(reqs, cands)
         log_probs = pad([torch.from_numpy(r.log_probs).float() for r in reqs], float("-inf"))
         codes = pad([torch.from_numpy(r.codes) for r in reqs], -1)  # [B, M, C]
