@@ -5,6 +5,13 @@
     python -m clients.cli recommend --session u1 [--top-k 5 --beam-width 50 --mode pfa]
     python -m clients.cli close --session u1
     python -m clients.cli health
+    python -m clients.cli catalog add --file items.jsonl [--replace]     (one JSON object a line: {"id", "text" | "attributes" | "vector"})
+    python -m clients.cli catalog add --id sku-9 --text "a new serum"
+    python -m clients.cli catalog retire --ids sku-1 sku-2
+    python -m clients.cli catalog list [--offset 0 --limit 100 --status live]
+    python -m clients.cli catalog show --ids sku-9
+    (catalog requests carry the server's admin key: GENREC_ADMIN_KEY, or the file --admin-key-file names,
+    default runs/admin.key)
 
 `--session` that is an integer (e.g. 42 or -5) is an integer id, anything else a string id (at most
 128 bytes in UTF-8, no NUL); `--session-string 42` is the string id "42". Sessions live on the
@@ -18,7 +25,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from pathlib import Path
 
 from clients.client import RecommenderClient, RecommenderError, SessionLost
 from genrec_contract.protocol import parse_session_id
@@ -75,15 +84,62 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("close", help="end the visit (the server keeps the session for the next one)")
     _add_session(p)
     sub.add_parser("health", help="server and model readiness, versions")
+    p = sub.add_parser("catalog", help="add, retire, list or show items while the server serves (the admin key)")
+    p.add_argument("operation", choices=("add", "retire", "list", "show"))
+    p.add_argument("--file", help="add: a JSON-lines file, one item a line")
+    p.add_argument("--id", help="add: one item's id (with --text and/or --attributes)")
+    p.add_argument("--text")
+    p.add_argument("--attributes", nargs="*")
+    p.add_argument("--replace", action="store_true", help="add: change the content of items already added")
+    p.add_argument("--ids", nargs="+", help="retire / show: item ids")
+    p.add_argument("--offset", type=int, default=0)
+    p.add_argument("--limit", type=int, default=100)
+    p.add_argument("--status", choices=("live", "retired"))
+    p.add_argument("--admin-key-file", default=None, help="the server's admin key file (default: GENREC_ADMIN_KEY, "
+                                                          "else runs/admin.key)")
     return ap
 
 
+def admin_key(path=None) -> str | None:
+    """The server's admin key: the file `path` names, else GENREC_ADMIN_KEY, else runs/admin.key."""
+    if path is None and os.environ.get("GENREC_ADMIN_KEY"):
+        return os.environ["GENREC_ADMIN_KEY"].strip()
+    try:
+        return Path(path or "runs/admin.key").read_text().strip() or None
+    except FileNotFoundError:
+        return None
+
+
+def catalog(client: RecommenderClient, a) -> dict:
+    if a.operation == "add":
+        if a.file:
+            items = [json.loads(line) for line in Path(a.file).read_text().splitlines() if line.strip()]
+        elif a.id:
+            items = [{"id": a.id, **({"text": a.text} if a.text else {}), **({"attributes": a.attributes} if a.attributes else {})}]
+        else:
+            raise ValueError("catalog add needs --file or --id")
+        return client.catalog_add(items, replace=a.replace)
+    if a.operation in ("retire", "show"):
+        if not a.ids:
+            raise ValueError(f"catalog {a.operation} needs --ids")
+        return client.catalog_retire(a.ids) if a.operation == "retire" else client.catalog_show(a.ids)
+    return client.catalog_list(a.offset, a.limit, a.status)
+
+
 def run(a) -> tuple[int, dict]:
-    client = RecommenderClient(a.url, model=a.model, timeout_s=a.timeout)
+    key = admin_key(a.admin_key_file) if a.command == "catalog" else None
+    client = RecommenderClient(a.url, model=a.model, timeout_s=a.timeout, admin_key=key)
     try:
         if a.command == "health":
             h = client.health()
             return (0 if h.get("ready") else 3), h
+        if a.command == "catalog":
+            try:
+                return 0, catalog(client, a)
+            except RecommenderError as e:
+                return 1, {"error": "request_refused", "status": e.status, "message": e.message}
+            except (ValueError, OSError) as e:
+                return 1, {"error": "bad_arguments", "message": str(e)}
         try:
             if a.command == "open":
                 rec = client.open_session(a.session, a.items, a.actions, a.timestamps, **_options(a))

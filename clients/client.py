@@ -20,12 +20,17 @@ events claimed is not a retry: the server refuses them (ABORTED) naming its coun
     rec = client.append("u1", ["B0003"], [5], [1700000120], top_k=5)
     client.close_session("u1")        # ends the visit; the history stays on the server
 
+The catalog changes while the server serves: ``catalog_add`` (items with their text, attributes or
+vector), ``catalog_retire``, ``catalog_list`` and ``catalog_show``, with the server's admin key
+(``admin_key=``); each answer names the catalog version, and so does every recommendation.
+
 Tensor names, dtypes and shapes come from ``genrec_contract.protocol`` (the contract);
 this module needs only numpy and tritonclient (no torch), so it also runs in a load-testing
 environment.
 """
 from __future__ import annotations
 
+import json as _json
 import random
 import threading
 import time
@@ -67,7 +72,7 @@ _STAGE_RESTARTING = ("not healthy", "Stub process", "is not ready", "unavailable
 _TOO_LARGE = ("larger than max", "size exceeds", "too large")
 
 _OUTPUTS = (P.RECOMMENDED_IDS, P.RANK_SCORES, P.RETRIEVAL_LOG_PROBS, P.SEMANTIC_IDS, P.HISTORY_LENGTH, P.TRUNCATED,
-            P.EVENT_COUNT, P.RESTORED, P.UNKNOWN_ITEMS)
+            P.EVENT_COUNT, P.RESTORED, P.UNKNOWN_ITEMS, P.CATALOG_VERSION)
 _CLOSE_OUTPUTS = (P.EVENT_COUNT,)
 
 
@@ -103,6 +108,7 @@ class Recommendation:
     restored: bool = False  # the session was rebuilt from the server's event log on this request
     resent: int = 0  # times the events were sent again after another writer's that took their positions
     unknown_items: int = 0  # events of the session's history naming items the serving version does not know
+    catalog_version: int = 0  # the catalog version the answer was made at (every item in it live at it)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -193,6 +199,7 @@ def parse_response(result, latency_ms: float) -> Recommendation:
         event_count=int(result.as_numpy(P.EVENT_COUNT.name).reshape(-1)[0]),
         restored=bool(result.as_numpy(P.RESTORED.name).reshape(-1)[0]),
         unknown_items=int(result.as_numpy(P.UNKNOWN_ITEMS.name).reshape(-1)[0]),
+        catalog_version=int(result.as_numpy(P.CATALOG_VERSION.name).reshape(-1)[0]),
     )
 
 
@@ -220,6 +227,7 @@ class RecommenderClient:
         headers: dict | None = None,
         verbose: bool = False,
         conflict_retries: int = 8,
+        admin_key: str | None = None,
     ):
         self.url, self.model, self.timeout_s = url, model, timeout_s
         self.retries = None if retries is None else int(retries)
@@ -233,6 +241,7 @@ class RecommenderClient:
         self.visits_restarted = 0  # requests sent again with START because the server no longer had the visit
         self.conflict_retries = int(conflict_retries)  # re-sends after other writers' events, per call
         self.conflicts_resolved = 0  # events sent again after another writer's (ABORTED)
+        self.admin_key = admin_key  # the server's, for the catalog's requests
 
     # ---- sessions ---------------------------------------------------------------------------
     def open_session(self, session_id, item_ids: Sequence, actions=None, timestamps=None, end_visit: bool = False,
@@ -286,6 +295,46 @@ class RecommenderClient:
         """Events the server holds for the session, as last answered to this client."""
         s = self._sessions.get(session_id)
         return None if s is None else s.count
+
+    # ---- the living catalog (the server's admin key) ----------------------------------------------
+    def catalog_add(self, items: Sequence[dict], replace: bool = False) -> dict:
+        """Add up to 10,000 items, one change whole or not at all: each {"id": ..., and "text",
+        "attributes" and/or "vector": its content}. An id already added with the same content changes
+        nothing (a retry is safe); with other content it is refused (ALREADY_EXISTS) unless `replace`.
+        Returns {"version": the catalog version made, "items": [{"id", "semantic_id"}, ...]}."""
+        return self._catalog("add", {"items": list(items), "replace": bool(replace)})
+
+    def catalog_retire(self, item_ids: Sequence[str]) -> dict:
+        """Retire items (added or trained): never recommended again; histories holding them still count them."""
+        return self._catalog("retire", {"ids": list(item_ids)})
+
+    def catalog_list(self, offset: int = 0, limit: int = 100, status: str | None = None) -> dict:
+        """The items added or retired, oldest change first ("live" / "retired" only with `status`), and the counts."""
+        return self._catalog("list", {"offset": offset, "limit": limit, "status": status})
+
+    def catalog_show(self, item_ids: Sequence[str]) -> dict:
+        """Each item's status (live, retired, trained, unknown), content and semantic ID."""
+        return self._catalog("show", {"ids": list(item_ids)})
+
+    def _catalog(self, op: str, body: dict) -> dict:
+        """One catalog request; sent again while the server is unavailable (every operation is safe to repeat)."""
+        inputs = [_input(P.CATALOG_OPERATION, np.array([[op.encode()]], dtype=object)),
+                  _input(P.CATALOG_REQUEST, np.array([[_json.dumps(body).encode()]], dtype=object))]
+        if self.admin_key:
+            inputs.append(_input(P.ADMIN_KEY, np.array([[self.admin_key.encode()]], dtype=object)))
+        deadline, attempt = time.monotonic() + self.retry_budget_s, 0
+        while True:
+            try:
+                result = self._client.infer(P.CATALOG, inputs, client_timeout=self.timeout_s, headers=self.headers)
+                return _json.loads(result.as_numpy(P.CATALOG_RESULT.name).reshape(-1)[0])
+            except InferenceServerException as e:
+                status, message = _status_name(e), e.message() or str(e)
+                pause = self._jitter.uniform(0.0, min(self.max_backoff_s, self.backoff_s * 2**attempt))
+                if status != "UNAVAILABLE" or time.monotonic() + pause >= deadline:
+                    raise RecommenderError(status, message) from None
+                self.retried += 1
+                attempt += 1
+                time.sleep(pause)
 
     # ---- server -------------------------------------------------------------------------------
     def health(self) -> dict:

@@ -49,7 +49,7 @@ PROJECT_ROOT = Path(__file__).resolve().parents[1]  # holds the package and mode
 PACKAGE = "backend_src"
 PACKAGES = (PACKAGE, "genrec_contract")  # what a version carries of the code
 MANIFEST = "manifest.json"
-STAGES = {P.ENCODER: "encoder", P.DECODER: "decoder", P.RANKER: "ranker"}  # keys of recommender.STAGE_PARTS
+STAGES = {P.ENCODER: "encoder", P.DECODER: "decoder", P.RANKER: "ranker", P.CATALOG: "catalog"}  # keys of recommender.STAGE_PARTS
 SERVER_HELP = "gRPC address of a running server to reload, e.g. localhost:8001 (several: comma-separated)"
 ADMIN_KEY_HELP = "file with the server's admin key (default: GENREC_ADMIN_KEY, else runs/admin.key)"
 

@@ -40,7 +40,7 @@ import numpy as np
 
 from backend_src import distributed
 from backend_src.config import DecodeOptions, ModelConfig, TrainConfig
-from backend_src.data.loaders import load_dataset
+from backend_src.data.loaders import hold_out_items, load_dataset
 from backend_src.evaluation import evaluate
 from backend_src.metrics import METRIC_NAMES
 from backend_src.model.recommender import GenerativeRecommender
@@ -167,6 +167,9 @@ def parse_args(argv=None):
                    help="how the item embeddings become codes: residual k-means (the recipe) or a learned "
                         "residual quantizer (rq-vae), optionally pulled toward the items' co-occurrence embeddings "
                         "(rq-vae-collaborative); measured variants, not the recipe")
+    p.add_argument("--hold-out-items", type=float, default=0.0, metavar="SHARE",
+                   help="train without this share of the items (chosen by --seed; their events removed), to measure "
+                        "cold start: the catalog adds them to the published version (perf.bench_catalog)")
     p.add_argument("--unknown-item-share", type=float, metavar="P",
                    help="share of the history's events shown as the unknown item in training, which learns the vector "
                         f"an event on an item the served version does not know is encoded with (recipe: "
@@ -218,6 +221,11 @@ def run(args, device):
     main_rank = distributed.is_main()
     say = print if main_rank else (lambda *a, **k: None)
     data = load_dataset(args.data, max_users=args.max_users)
+    if args.hold_out_items:
+        full = data
+        data, held = hold_out_items(data, args.hold_out_items, args.seed)
+        say(f"held out {len(held)} of {full.num_items} items ({args.hold_out_items:.0%}, seed {args.seed}): "
+            f"{full.num_events - data.num_events} events removed")
     filled = resolve_settings(args, data)
     if args.out is None:
         args.out = str(Path("runs") / data_name(args.data) / "model.pt")
@@ -304,7 +312,7 @@ def run(args, device):
         out, rows, config=cfg.to_dict(), train=vars(tcfg), train_seconds=state.seconds, epochs_run=state.epoch + 1,
         best_valid=state.best_metric, timing=test["timing"], processes=world, train_history=state.history,
         resumed_from=args.resume, item_embeddings=args.item_embeddings, balanced_codes=args.balanced_codes,
-        quantizer=args.quantizer,
+        quantizer=args.quantizer, held_out_items=args.hold_out_items,
     )
     for r in rows:
         print(f"{r['model']:>18} seen_excluded={r['seen_excluded']!s:5} "

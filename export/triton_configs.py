@@ -55,6 +55,10 @@ class ServingOptions:
     rank_by: str = "fused"  # order of the top-K: "fused" (M-FALCON logit + retrieval log-prob) or "ranker" (logit)
     ranker_backend: str = "auto"  # auto (TensorRT on a GPU, else ONNX Runtime or torch by history length) | torch | onnx | tensorrt
     torch_threads: int = 1
+    # the living catalog (model/catalog.py): rows reserved at load for added items, and how often a
+    # stage looks for new changes between requests (a request naming a newer version applies it at once)
+    catalog_capacity: int = 100_000
+    catalog_poll_s: float = 0.5
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -113,6 +117,10 @@ def _common_params(cfg: ModelConfig, opt: ServingOptions) -> dict:
         "pfa_r": d.r,
         "selection_step": d.selection_step,
         "torch_threads": opt.torch_threads,
+        # every stage follows the catalog's changes in the event log's store
+        "event_log": opt.event_log,
+        "catalog_capacity": opt.catalog_capacity,
+        "catalog_poll_s": opt.catalog_poll_s,
     }
 
 
@@ -144,7 +152,6 @@ def encoder_config(cfg: ModelConfig, opt: ServingOptions) -> str:
         "session_max_bytes": opt.session_max_bytes,
         "cache_idle_s": opt.cache_idle_s,
         "session_prefault_bytes": opt.session_prefault_bytes,
-        "event_log": opt.event_log,
         "log_retain_events": opt.log_retain_events,
         "log_ttl_s": opt.log_ttl_s,
         "log_durability": opt.log_durability,
@@ -179,6 +186,17 @@ def ranker_config(cfg: ModelConfig, opt: ServingOptions, contract: P.ModelContra
     )
 
 
+def catalog_config(cfg: ModelConfig, opt: ServingOptions) -> str:
+    """The catalog's management model: one instance, one request at a time (changes are few and
+    serialised by the store)."""
+    return (
+        _header(P.CATALOG, 1, 1)
+        + _io(P.CATALOG_CONTRACT, P.model_sizes(cfg))
+        + _parameters({"event_log": opt.event_log, "catalog_capacity": opt.catalog_capacity,
+                       "torch_threads": opt.torch_threads})
+    )
+
+
 def ensemble_config(cfg: ModelConfig, opt: ServingOptions, name: str = P.ENSEMBLE, wiring: tuple = P.ENSEMBLE_STEPS) -> str:
     """The ensemble `name` over `wiring`: (model, its inputs, its outputs) per step, tensors named alike throughout."""
     sizes = P.model_sizes(cfg)
@@ -204,6 +222,7 @@ def render(cfg: ModelConfig, opt: ServingOptions | None = None) -> dict:
         P.ENCODER: header + encoder_config(cfg, opt),
         P.DECODER: header + decoder_config(cfg, opt),
         P.RANKER: header + ranker_config(cfg, opt),
+        P.CATALOG: header + catalog_config(cfg, opt),
         P.ENSEMBLE: header + ensemble_config(cfg, opt),
     }
 

@@ -82,7 +82,8 @@ ENSEMBLE = "recommend"
 ENCODER = "history_encoder"
 DECODER = "pfa_decoder"
 RANKER = "mfalcon_ranker"
-PYTHON_MODELS = (ENCODER, DECODER, RANKER)
+CATALOG = "catalog"  # adds, retires and lists items while the others serve (not in the ensemble)
+PYTHON_MODELS = (ENCODER, DECODER, RANKER, CATALOG)
 ALL_MODELS = PYTHON_MODELS + (ENSEMBLE,)
 
 # sequence-batching control inputs of the encoder (no CORRID input: the model reads the
@@ -222,6 +223,8 @@ HISTORY_LENGTH = TensorSpec("HISTORY_LENGTH", "INT64", (1,), doc="events in the 
 TRUNCATED = TensorSpec("TRUNCATED", "INT32", (1,), doc="oldest events dropped by this request to stay within max history")
 EVENT_COUNT = TensorSpec("EVENT_COUNT", "INT64", (1,), doc="events the server holds for the session after this request (all ever accepted)")
 RESTORED = TensorSpec("RESTORED", "BOOL", (1,), doc="true when the session was not cached and was rebuilt from the event log")
+CATALOG_VERSION = TensorSpec("CATALOG_VERSION", "INT64", (1,),
+                             doc="the catalog version the answer was made at: every item in it was live at that version")
 UNKNOWN_ITEMS = TensorSpec("UNKNOWN_ITEMS", "INT64", (1,),
                            doc="events of the session's history naming items the serving version does not know (accepted, "
                                "logged and encoded with the learned unknown-item vector)")
@@ -234,6 +237,9 @@ HISTORY_KEYS = TensorSpec("HISTORY_KEYS", "FP32", ("L", -1, "H", "DH"), doc="per
 HISTORY_VALUES = TensorSpec("HISTORY_VALUES", "FP32", ("L", -1, "H", "DH"), doc="per-layer values of the history rows")
 HISTORY_TIMESTAMPS = TensorSpec("HISTORY_TIMESTAMPS", "INT64", (-1,), doc="timestamps of the history rows")
 HISTORY_ITEMS = TensorSpec("HISTORY_ITEMS", "INT64", (-1,), doc="item indices of the history rows")
+
+MIN_CATALOG_VERSION = TensorSpec("MIN_CATALOG_VERSION", "INT64", (1,), optional=True,
+                                 doc="the catalog version the encoder applied: the later stages apply at least this one")
 
 CANDIDATE_ITEMS = TensorSpec("CANDIDATE_ITEMS", "INT64", (-1,), doc="beam item indices (0 = empty beam)")
 CANDIDATE_LOG_PROBS = TensorSpec("CANDIDATE_LOG_PROBS", "FP32", (-1,), doc="beam log-probabilities")
@@ -258,12 +264,12 @@ ENCODER_CONTRACT = ModelContract(
     ENCODER,
     inputs=(ITEM_IDS, ACTIONS, TIMESTAMPS, EVENTS_BEFORE) + OPTION_INPUTS,  # options only validated here
     outputs=(HISTORY_STATES, HISTORY_KEYS, HISTORY_VALUES, HISTORY_TIMESTAMPS, HISTORY_ITEMS, HISTORY_LENGTH, TRUNCATED,
-             EVENT_COUNT, RESTORED, UNKNOWN_ITEMS),
+             EVENT_COUNT, RESTORED, UNKNOWN_ITEMS, MIN_CATALOG_VERSION),
     ragged=("ITEM_IDS", "ACTIONS", "TIMESTAMPS"),
 )
 DECODER_CONTRACT = ModelContract(
     DECODER,
-    inputs=(HISTORY_STATES,) + DECODE_OPTION_INPUTS,
+    inputs=(HISTORY_STATES, MIN_CATALOG_VERSION) + DECODE_OPTION_INPUTS,
     outputs=(CANDIDATE_ITEMS, CANDIDATE_LOG_PROBS, CANDIDATE_CODES),
     ragged=("HISTORY_STATES",),
 )
@@ -271,8 +277,8 @@ RANKER_CONTRACT = ModelContract(
     RANKER,
     # HISTORY_STATES: the last row is the user state the dense head scores the candidates against
     inputs=(HISTORY_STATES, HISTORY_KEYS, HISTORY_VALUES, HISTORY_TIMESTAMPS, HISTORY_ITEMS, CANDIDATE_ITEMS,
-            CANDIDATE_LOG_PROBS, CANDIDATE_CODES, TOP_K, EXCLUDE_SEEN),
-    outputs=(RECOMMENDED_IDS, RANK_SCORES, RETRIEVAL_LOG_PROBS, SEMANTIC_IDS),
+            CANDIDATE_LOG_PROBS, CANDIDATE_CODES, TOP_K, EXCLUDE_SEEN, MIN_CATALOG_VERSION),
+    outputs=(RECOMMENDED_IDS, RANK_SCORES, RETRIEVAL_LOG_PROBS, SEMANTIC_IDS, CATALOG_VERSION),
     ragged=("HISTORY_STATES", "HISTORY_KEYS", "HISTORY_VALUES", "HISTORY_TIMESTAMPS", "HISTORY_ITEMS",
             "CANDIDATE_ITEMS", "CANDIDATE_LOG_PROBS", "CANDIDATE_CODES"),
 )
@@ -280,9 +286,18 @@ ENSEMBLE_CONTRACT = ModelContract(
     ENSEMBLE,
     inputs=(ITEM_IDS, ACTIONS, TIMESTAMPS, EVENTS_BEFORE) + OPTION_INPUTS,
     outputs=(RECOMMENDED_IDS, RANK_SCORES, RETRIEVAL_LOG_PROBS, SEMANTIC_IDS, HISTORY_LENGTH, TRUNCATED, EVENT_COUNT, RESTORED,
-             UNKNOWN_ITEMS),
+             UNKNOWN_ITEMS, CATALOG_VERSION),
 )
-CONTRACTS = {c.name: c for c in (ENCODER_CONTRACT, DECODER_CONTRACT, RANKER_CONTRACT, ENSEMBLE_CONTRACT)}
+# the catalog's management model: one JSON request, one JSON answer (docs/catalog.md)
+CATALOG_OPERATION = TensorSpec("CATALOG_OPERATION", "BYTES", (1,), doc="add | retire | list | show")
+CATALOG_REQUEST = TensorSpec("CATALOG_REQUEST", "BYTES", (1,), doc="the operation's arguments as JSON")
+ADMIN_KEY = TensorSpec("ADMIN_KEY", "BYTES", (1,), optional=True,
+                       doc="the server's admin key: add and retire need it where the server has one")
+CATALOG_RESULT = TensorSpec("CATALOG_RESULT", "BYTES", (1,), doc="the answer as JSON")
+CATALOG_CONTRACT = ModelContract(CATALOG, inputs=(CATALOG_OPERATION, CATALOG_REQUEST, ADMIN_KEY),
+                                 outputs=(CATALOG_RESULT, CATALOG_VERSION))
+CATALOG_OPERATIONS = ("add", "retire", "list", "show")
+CONTRACTS = {c.name: c for c in (ENCODER_CONTRACT, DECODER_CONTRACT, RANKER_CONTRACT, ENSEMBLE_CONTRACT, CATALOG_CONTRACT)}
 
 def ensemble_steps(*contracts: ModelContract) -> tuple:
     """An ensemble's wiring: (model, its input names, its output names) per step, in order. Ensemble tensors are
@@ -299,11 +314,14 @@ RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
 FAILED_PRECONDITION = "FAILED_PRECONDITION"
 UNAVAILABLE = "UNAVAILABLE"  # retry: the event log or a concurrent writer got in the way
 ABORTED = "ABORTED"  # another writer's events hold positions the request claims: re-send after them (resend_after)
+ALREADY_EXISTS = "ALREADY_EXISTS"  # a catalog add of an id that holds other content (replace it explicitly)
+PERMISSION_DENIED = "PERMISSION_DENIED"  # a catalog change without the server's admin key
 
 # Statuses that Triton's Python backend has no error code for (its codes give INVALID_ARGUMENT,
 # NOT_FOUND, UNAVAILABLE, INTERNAL, UNIMPLEMENTED, ALREADY_EXISTS, CANCELLED, UNKNOWN) travel as the
 # gRPC status named here, their message starting with the status in brackets; status_of() reads it.
-TAGGED_STATUSES = {FAILED_PRECONDITION: INVALID_ARGUMENT, ABORTED: "ALREADY_EXISTS"}
+TAGGED_STATUSES = {FAILED_PRECONDITION: INVALID_ARGUMENT, ABORTED: ALREADY_EXISTS, RESOURCE_EXHAUSTED: UNAVAILABLE,
+                   PERMISSION_DENIED: INVALID_ARGUMENT}
 _TAG = re.compile(r"\[([A-Z_]+)\] ")
 
 

@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from backend_src.config import DecodeOptions, ModelConfig
-from backend_src.model.catalog import CatalogFull, CatalogItem, Change, ItemCatalog
+from backend_src.model.catalog import CatalogFull, ItemCatalog
 from backend_src.model.recommender import STAGE_PARTS, GenerativeRecommender
 from backend_src.model.semantic_ids import SemanticIdCodebook
+from backend_src.serving.catalog_store import CatalogChange, CatalogEntry
 
 NUM_ITEMS, E = 60, 8
 FULL = DecodeOptions(mode="full", beam_width=64)
@@ -43,6 +44,14 @@ def checkpoint(tmp_path_factory):
 def _history(model, n=5):
     items = torch.arange(1, n + 1)[None]
     return model.encode(items, torch.ones_like(items), 1000 + 60 * torch.arange(n)[None], torch.tensor([n]))
+
+
+def Change(version, adds=(), retires=()):
+    return CatalogChange(version, tuple(adds), tuple(retires), 0.0)
+
+
+def CatalogItem(item_id, embedding, text):
+    return CatalogEntry(item_id, {"text": text}, np.asarray(embedding, np.float32))
 
 
 def _near(content, item, seed):

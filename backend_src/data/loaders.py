@@ -102,6 +102,22 @@ def build_sequence_data(name: str, users, items, actions, timestamps, *, item_te
                         item_attributes=by_index(item_attributes))
 
 
+def hold_out_items(data: SequenceData, share: float, seed: int = 0) -> tuple[SequenceData, np.ndarray]:
+    """`data` without a random `share` of its items: their events are removed from every sequence,
+    as if they had never been in the catalog (the cold-start protocol of *Unifying Generative and
+    Dense Retrieval for Sequential Recommendation*). Returns (that data, the held-out items' indices
+    in `data`). Users left with fewer than 3 events are dropped."""
+    rng = np.random.default_rng(seed)
+    held = np.sort(rng.choice(np.arange(1, data.num_items + 1), int(round(share * data.num_items)), replace=False))
+    keep = ~np.isin(data.items, held)
+    user = np.repeat(np.arange(data.num_users), np.diff(data.offsets))[keep]
+    raw = lambda m: None if m is None else {data.item_ids[i]: v for i, v in m.items()}  # noqa: E731
+    filtered = build_sequence_data(data.name, data.user_ids[user], data.item_ids[data.items[keep]], data.actions[keep],
+                                   data.timestamps[keep], item_text=raw(data.item_text),
+                                   item_attributes=raw(data.item_attributes))
+    return filtered, held
+
+
 # --------------------------------------------------------------------------------------------
 # fast delimited-text parsing with line-accurate errors
 

@@ -54,6 +54,11 @@ class DecodeGraphs:
         self._pool = None
         self.stats = dict(replays=0, captures=0, eager=0)
 
+    def reset(self) -> None:
+        """Drop the captured graphs: they hold the tables they were captured with (the catalog
+        replaces the codebook's when it changes), so each is captured again on first use."""
+        self._graphs.clear()
+
     # ------------------------------------------------------------------ buckets
     def bucket(self, batch: int, history: int) -> tuple[int, int] | None:
         """The smallest (batch, history) bucket holding the batch, or None beyond the largest."""

@@ -28,7 +28,6 @@ caller applies between requests.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
@@ -42,22 +41,6 @@ TEXT_ENCODER_SOURCE = "text-encoder"
 
 class CatalogFull(RuntimeError):
     """No row left for an added item (the capacity reserved at load), or no free semantic ID."""
-
-
-@dataclass(frozen=True)
-class CatalogItem:
-    """One added item as a change carries it: its raw id and its content embedding (in the space the
-    version's semantic IDs were fit in: catalog_embeddings)."""
-    item_id: str
-    embedding: np.ndarray
-    content_hash: str = ""
-
-
-@dataclass(frozen=True)
-class Change:
-    version: int  # the catalog version this change makes (1, 2, ...)
-    adds: tuple = ()  # CatalogItem
-    retires: tuple = ()  # raw ids
 
 
 class ItemCatalog:
@@ -76,12 +59,12 @@ class ItemCatalog:
         codebook = model.codebook
         L = codebook.num_levels
         # the trained state every apply rebuilds from
-        self._trained_children = [codebook.child(t) for t in range(L)]
-        self._trained_prefixes = codebook.level_prefixes(codebook.codes)  # [I + 1, L + 1]
+        self._trained_children = [codebook.child(t).cpu() for t in range(L)]
+        self._trained_prefixes = codebook.level_prefixes(codebook.codes).cpu()  # [I + 1, L + 1]
         self._trained_nodes = {t: e.weight.detach().clone() for t, e in model.decoder.node_emb.items()} \
             if model.decoder is not None else {}
         self.codes = torch.full((rows, L), -1, dtype=torch.long)
-        self.codes[: cfg.num_items + 1] = codebook.codes
+        self.codes[: cfg.num_items + 1] = codebook.codes.cpu()
         self.live = torch.zeros(rows, dtype=torch.bool)
         self.live[1 : cfg.num_items + 1] = True
         self.ids: list = []  # raw id of added row first_row + j
@@ -139,48 +122,58 @@ class ItemCatalog:
         self._held[key] = self._held.get(key, 0) & ~(1 << int(codes[-1]))
 
     # ---- applying changes ---------------------------------------------------------------------
-    def apply(self, changes: Sequence[Change]) -> int:
-        """Replay `changes` (consecutive versions after `version`) onto the model; returns the new
-        version. Raises CatalogFull (nothing applied of the change that would overflow, the ones
+    def apply(self, changes: Sequence) -> int:
+        """Replay `changes` (consecutive versions after `version`: the catalog store's CatalogChange,
+        or anything with its version, adds and retires; an add has item_id, embedding, the content
+        embedding in the space the IDs were fit in, and content_hash) onto the model; returns the
+        new version. Raises CatalogFull (nothing applied of the change that would overflow, the ones
         before it applied) and ValueError for a gap in the versions."""
-        touched = False
-        for change in changes:
-            if change.version <= self.version:
-                continue  # already applied (a store read overlapping the last one)
-            if change.version != self.version + 1:
-                raise ValueError(f"catalog change {change.version} after {self.version}: the changes between are missing")
-            self._apply_one(change)
-            self.version = change.version
-            touched = True
-        if touched:
-            self._publish()
+        start = self.version
+        try:
+            for change in changes:
+                if change.version <= self.version:
+                    continue  # already applied (a store read overlapping the last one)
+                if change.version != self.version + 1:
+                    raise ValueError(f"catalog change {change.version} after {self.version}: the changes between are missing")
+                self._apply_one(change)
+                self.version = change.version
+        finally:
+            if self.version != start:
+                self._publish()
         return self.version
 
-    def _apply_one(self, change: Change) -> None:
-        fresh, fresh_emb, replaced = [], [], []
+    def _apply_one(self, change) -> None:
+        """One change, whole or not at all."""
+        fresh, relisted, replaced = [], [], []
         for item in change.adds:
-            row = self.trained_index.get(item.item_id)
-            if row is not None:  # trained in this version: its own row, ID and vector win
-                self.live[row] = True
-                continue
-            row = self.row_of.get(item.item_id)
+            row = self.trained_index.get(item.item_id)  # trained in this version: its own row, ID and vector win
+            row = self.row_of.get(item.item_id) if row is None else row
             if row is None:
                 fresh.append(item)
-                fresh_emb.append(np.asarray(item.embedding, dtype=np.float32))
-            elif self.hashes[row - self.first_row] != item.content_hash:
+            elif row >= self.first_row and self.hashes[row - self.first_row] != item.content_hash:
                 replaced.append((row, item))
             else:
-                self.live[row] = True
+                relisted.append(row)
         if len(self.ids) + len(fresh) > self.capacity:
             raise CatalogFull(f"catalog change {change.version} adds {len(fresh)} items; "
                               f"{self.capacity - len(self.ids)} of the {self.capacity} rows reserved are free")
-        for row, item in replaced:  # new content: a new ID and vector, the old ID free again
-            self._release(self.codes[row])
-            self.codes[row] = self._assign_ids(torch.from_numpy(np.asarray(item.embedding, np.float32))[None])[0]
+        held = dict(self._held)
+        try:  # new content: a new ID and vector, the old ID free again
+            for row, _ in replaced:
+                self._release(self.codes[row])
+            embeddings = [np.asarray(item.embedding, np.float32) for _, item in replaced] + \
+                         [np.asarray(item.embedding, np.float32) for item in fresh]
+            codes = self._assign_ids(torch.from_numpy(np.stack(embeddings))) if embeddings else None
+        except Exception:
+            self._held = held
+            raise
+        self.live[relisted] = True
+        for j, (row, item) in enumerate(replaced):
+            self.codes[row] = codes[j]
             self.hashes[row - self.first_row] = item.content_hash
             self.live[row] = True
         if fresh:
-            codes = self._assign_ids(torch.from_numpy(np.stack(fresh_emb)))
+            codes = codes[len(replaced):]
             rows = torch.arange(len(fresh)) + self.first_row + len(self.ids)
             self.codes[rows] = codes
             self.live[rows] = True

@@ -34,6 +34,7 @@ STAGE_PARTS = {
     "encoder": ("backbone", "codebook", "vocabulary"),
     "decoder": ("decoder", "codebook", "vocabulary"),
     "ranker": ("backbone", "ranker", "covisitation", "codebook", "vocabulary"),
+    "catalog": ("codebook", "vocabulary"),  # the catalog's management model: places and checks items
 }
 
 
@@ -121,6 +122,12 @@ class Recommendations:
     rank_scores: torch.Tensor  # [B, K] the served order's score: fused, or the ranker logit (-inf for empty slots)
     log_probs: torch.Tensor  # [B, K] retrieval log-probability of the item's semantic ID (-inf for empty slots)
     codes: torch.Tensor  # [B, K, 4] semantic IDs (-1 for empty slots)
+
+
+def content_vectors(num_items: int, dim: int = 8) -> torch.Tensor:
+    """[num_items, dim] unit vectors, the same for every call: the content an untrained model's
+    semantic IDs are quantized from (item i's is row i - 1)."""
+    return F.normalize(torch.randn(num_items, dim, generator=torch.Generator().manual_seed(0)), dim=-1)
 
 
 class GenerativeRecommender(nn.Module):
@@ -217,17 +224,19 @@ class GenerativeRecommender(nn.Module):
     @classmethod
     def untrained(cls, item_ids: Sequence, max_history: int, seed: int, d_model: int = 16, num_layers: int = 2,
                   num_heads: int = 2, levels: int = 3, codes_per_level: int = 4) -> "GenerativeRecommender":
-        """Random weights and random unique semantic IDs over `item_ids` (index 0 = None): for
-        tests and benchmarks of the serving path, which check plumbing and speed, not quality."""
-        from backend_src.model.semantic_ids import assign_collision_codes
+        """Random weights, and semantic IDs quantized (residual k-means) from random content vectors
+        (`content_vectors`: the catalog takes an added item's content in this space) over `item_ids`
+        (index 0 = None): for tests and benchmarks of the serving path, which check plumbing and
+        speed, not quality."""
+        from backend_src.model.semantic_ids import assign_collision_codes, residual_kmeans
 
-        g = torch.Generator().manual_seed(0)
-        codes = torch.randint(0, codes_per_level, (len(item_ids) - 1, levels), generator=g)
-        codebook = SemanticIdCodebook(assign_collision_codes(codes))
+        content = content_vectors(len(item_ids) - 1)
+        codes, centers = residual_kmeans(content, (codes_per_level,) * levels, iters=10, return_centers=True)
+        codebook = SemanticIdCodebook(assign_collision_codes(codes), centers=centers)
         cfg = ModelConfig(
             num_items=len(item_ids) - 1, d_model=d_model, num_layers=num_layers, num_heads=num_heads,
             max_seq_len=max_history, codebook_sizes=tuple(int(s) for s in codebook.codebook_sizes),
-            decoder_heads=num_heads, dropout=0.0,
+            decoder_heads=num_heads, dropout=0.0, semantic_id_source="random-vectors",
         )
         torch.manual_seed(seed)
         return cls(cfg, codebook, list(item_ids)).eval()

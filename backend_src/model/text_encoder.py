@@ -9,6 +9,7 @@ tokens, L2-normalized: the model's own sentence embedding (its pooling config: m
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 from pathlib import Path
 
@@ -34,16 +35,20 @@ def encoder_path(cache_dir: Path | None = None) -> Path:
         ) from None
 
 
+@functools.lru_cache(maxsize=2)
+def _load(path: str):
+    """(tokenizer, model), loaded once per process (the catalog embeds every added item's text)."""
+    from transformers import AutoModel, AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path), AutoModel.from_pretrained(path).eval()
+
+
 @torch.no_grad()
 def sentence_embeddings(texts: list[str], batch_size: int = 64, max_tokens: int = MAX_TOKENS,
                         path: Path | None = None) -> torch.Tensor:
     """texts -> [n, 384] unit-norm sentence embeddings (an empty text embeds as the encoder's empty
     sentence). Texts are batched by length, so a batch pads little."""
-    from transformers import AutoModel, AutoTokenizer
-
-    path = encoder_path() if path is None else Path(path)
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
-    model = AutoModel.from_pretrained(str(path)).eval()
+    tokenizer, model = _load(str(encoder_path() if path is None else Path(path)))
     texts = [t or "" for t in texts]
     order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
     out = torch.empty(len(texts), model.config.hidden_size)

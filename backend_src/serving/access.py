@@ -7,12 +7,16 @@ the first start).
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import secrets
 from pathlib import Path
 
 ADMIN_KEY_ENV = "GENREC_ADMIN_KEY"
+# what the models get instead of the key: its SHA-256, against which the catalog checks the key a
+# change carries (a model never holds the key itself)
+ADMIN_KEY_DIGEST_ENV = "GENREC_ADMIN_KEY_SHA256"
 DEFAULT_ADMIN_KEY_FILE = Path("runs") / "admin.key"
 ADMIN_HEADER = "genrec-admin-key"
 # Triton checks a restricted gRPC protocol's header under this prefix (an HTTP API's header as
@@ -77,3 +81,7 @@ def restricted_api_flags(key: str) -> list:
         f"--grpc-restricted-protocol={apis}:{ADMIN_HEADER}={key}",
         f"--http-restricted-api={apis}:{ADMIN_HEADER}={key}",
     ]
+
+
+def key_digest(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()

@@ -20,7 +20,9 @@ import sys
 import time
 from pathlib import Path
 
-from backend_src.serving.access import ADMIN_KEY_ENV, check_admin_key, restricted_api_flags
+from backend_src.serving.access import (
+    ADMIN_KEY_DIGEST_ENV, ADMIN_KEY_ENV, check_admin_key, key_digest, restricted_api_flags,
+)
 from backend_src.serving.event_log import EVENT_LOG_ENV, checkpoint, sqlite_path
 from backend_src.serving.log_probe import served_event_log
 from backend_src.serving.processes import (
@@ -203,7 +205,10 @@ class TritonServer:
             env.setdefault(key, value)
         venv_bin = str(Path(sys.executable).parent)
         env["PATH"] = venv_bin + os.pathsep + env.get("PATH", "")
-        env.pop(ADMIN_KEY_ENV, None)  # the models have no use for it
+        env.pop(ADMIN_KEY_ENV, None)  # the models have no use for it: the catalog checks a change's key by its digest
+        env.pop(ADMIN_KEY_DIGEST_ENV, None)
+        if self.admin_key:
+            env[ADMIN_KEY_DIGEST_ENV] = key_digest(self.admin_key)
         if self.event_log:
             env[EVENT_LOG_ENV] = self.event_log
         return env

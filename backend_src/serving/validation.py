@@ -123,6 +123,16 @@ def check_item_ids(ids: list, name: str) -> None:
                 raise RequestError(f"{name}: item {j} is {preview(v)}; an item id is 1 to {P.MAX_ITEM_ID_BYTES} bytes of UTF-8")
 
 
+def catalog_version(value) -> int:
+    """MIN_CATALOG_VERSION (absent: 0, nothing asked)."""
+    if value is None:
+        return 0
+    v = int(_one(value, P.MIN_CATALOG_VERSION.name))
+    if v < 0:
+        raise RequestError(f"{P.MIN_CATALOG_VERSION.name} must be >= 0, got {v}")
+    return v
+
+
 # ------------------------------------------------------------------------------------------
 # Events
 # ------------------------------------------------------------------------------------------

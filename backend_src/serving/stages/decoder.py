@@ -17,6 +17,7 @@ import torch
 from backend_src.decoding.cuda_graphs import DecodeGraphs
 from backend_src.model.recommender import GenerativeRecommender
 from backend_src.serving import validation as V
+from backend_src.serving.stages.catalog_sync import CatalogSync
 from backend_src.serving.stages.messages import StageRequest, StageResponse
 from genrec_contract import protocol as P
 
@@ -25,7 +26,7 @@ class DecoderStage:
     """The decoder of the version in `version_dir` (its decoder.pt), configured by the model config's `params`."""
 
     def __init__(self, version_dir: Path, params: Mapping):
-        self.model = GenerativeRecommender.load(Path(version_dir) / "decoder.pt")  # the decoder and the codebook only
+        self.model = GenerativeRecommender.load(Path(version_dir) / "decoder.pt")  # the decoder, the codebook, the item ids
         cfg = self.model.cfg
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         self.model.to(self.device)
@@ -46,6 +47,8 @@ class DecoderStage:
         with torch.inference_mode():  # one decode now: the CPU's compiled kernels build here, not in a request
             self.graphs.retrieve(torch.zeros(1, 1, cfg.d_model), torch.ones(1, dtype=torch.long), self.defaults)
         self.default_top_k = int(params.get("top_k", 10))
+        self.catalog = CatalogSync(self.model, params, version_dir, P.DECODER)  # items added since training
+        self.graphs.reset()  # the tables the warm-up's graphs hold may have changed
 
     def _read(self, request: StageRequest):
         """One request's states [n, D] and its decode options."""
@@ -55,7 +58,7 @@ class DecoderStage:
         V.check_decoder_inputs(states, self.limits.max_history)
         options = {spec.name: read(spec) for spec in P.DECODE_OPTION_INPUTS}
         _, opts = V.parse_options(options, self.defaults, 1, self.limits)
-        return states[0], opts
+        return states[0], opts, V.catalog_version(read(P.MIN_CATALOG_VERSION))
 
     def _decode(self, states_list, opts):
         """One batched beam search for requests sharing `opts`."""
@@ -75,12 +78,16 @@ class DecoderStage:
         """StageRequests -> StageResponses, one each, in order; requests with equal options decoded together."""
         responses = [None] * len(requests)
         groups = {}  # DecodeOptions (frozen: its own key) -> [(index, states)]
+        at_least = 0
         for i, r in enumerate(requests):
             try:
-                states, opts = self._read(r)
+                states, opts, version = self._read(r)
                 groups.setdefault(opts, []).append((i, states))
+                at_least = max(at_least, version)
             except Exception as e:  # noqa: BLE001 - a request that cannot be read fails alone
                 responses[i] = StageResponse.failed(e, P.DECODER)
+        if self.catalog.sync(at_least):  # the whole call at one catalog version
+            self.graphs.reset()
         for opts, members in groups.items():
             try:
                 items, log_probs, codes = self._decode([s for _, s in members], opts)

@@ -39,6 +39,7 @@ from backend_src.serving.event_log import (
     WRITE_ASIDE_EVENTS, EventLogDamaged, LogConflict, open_event_log, served_log_url,
 )
 from backend_src.serving.session_store import DEFAULT_PREFAULT_BYTES, Session, SessionStore, prefault_heap
+from backend_src.serving.stages.catalog_sync import CatalogSync
 from backend_src.serving.stages.messages import END, INTERNAL, START, StageRequest, StageResponse, as_array
 from backend_src.serving.stages.session_metrics import SessionMetrics
 from genrec_contract import protocol as P
@@ -95,6 +96,7 @@ class EncoderStage:
         self.device = "cuda" if torch.cuda.is_available() else "cpu"  # sessions live where the model runs
         self.model.to(self.device)
         self.model.backbone.warm_up()
+        self.catalog = CatalogSync(self.model, params, version_dir, P.ENCODER)  # items added since training
         cfg = self.model.cfg
         self.sizes = P.model_sizes(cfg)
         self.max_history = min(int(params.get("max_history", cfg.max_seq_len)), cfg.max_seq_len)
@@ -399,6 +401,7 @@ class EncoderStage:
             P.EVENT_COUNT.name: np.array([[p.count]], dtype=np.int64),
             P.RESTORED.name: np.array([[p.restored]], dtype=np.bool_),
             P.UNKNOWN_ITEMS.name: np.array([[np.count_nonzero(items == self.model.unknown_index)]], dtype=np.int64),
+            P.MIN_CATALOG_VERSION.name: np.array([[self.catalog.version]], dtype=np.int64),
         })
 
     def _log_unavailable(self, exc):
@@ -462,6 +465,7 @@ class EncoderStage:
 
     def handle(self, requests: list) -> list:
         """StageRequests -> StageResponses, one each, in order."""
+        self.catalog.sync()  # between requests: this call's requests see one catalog version
         self.store.sweep()
         responses = [None] * len(requests)
         pending = list(enumerate(requests))
@@ -484,3 +488,4 @@ class EncoderStage:
         self._log_writer.shutdown(wait=True)
         self.store.clear()
         self.log.close()
+        self.catalog.close()

@@ -20,6 +20,7 @@ import torch
 
 from backend_src.model.recommender import RANK_ORDERS, GenerativeRecommender, served_order
 from backend_src.serving import validation as V
+from backend_src.serving.stages.catalog_sync import CatalogSync
 from backend_src.serving.ranker_runtime import RankerRuntime
 from backend_src.serving.stages.messages import StageRequest, StageResponse
 from genrec_contract import protocol as P
@@ -40,6 +41,7 @@ class Ranking(NamedTuple):
     codes: np.ndarray  # [W, C]
     top_k: int
     exclude_seen: bool
+    catalog_version: int  # the encoder's: this stage applies at least it
 
 
 class RankerStage:
@@ -63,13 +65,18 @@ class RankerStage:
         if self.rank_by not in RANK_ORDERS:
             raise ValueError(f"rank_by must be one of {RANK_ORDERS}, got {self.rank_by!r}")
         self.max_elements = max((self.max_history + 1) * cfg.d_model * cfg.num_layers, self.max_beams * cfg.num_codes)
-        self.raw_ids = np.array([b"" if x is None else str(x).encode() for x in self.model.row_ids()], dtype=object)
         backend = RUNTIME_BACKENDS[params.get("ranker_backend", "auto")]
         # the routing is timed on one call of the default beam's candidates
         one_call = min(self.microbatch, V.decode_defaults(params).beam_width)
         self.runtime = RankerRuntime.from_version_dir(version_dir, self.model, backend=backend, candidates=one_call)
         one = torch.ones(1, 1, dtype=torch.long)
         self.model.covisit_scores(one, one)  # the CPU's compiled lookup builds here, not in a request
+        self.catalog = CatalogSync(self.model, params, version_dir, P.RANKER)  # items added since training
+        self.raw_ids = self._raw_ids()
+
+    def _raw_ids(self) -> np.ndarray:
+        """The raw id of each row of the item table as the answer carries it (b"" for no item)."""
+        return np.array([b"" if x is None else str(x).encode() for x in self.model.row_ids()], dtype=object)
 
     def _read(self, request: StageRequest) -> Ranking:
         read = lambda spec: V.read_input(request.inputs, spec, self.sizes, self.max_elements)  # noqa: E731
@@ -83,13 +90,15 @@ class RankerStage:
         codes = read(P.CANDIDATE_CODES)  # [1, W, C]
         top_k = V.parse_top_k({P.TOP_K.name: read(P.TOP_K)}, self.default_top_k, self.max_top_k)
         exclude_seen = V.flag(read(P.EXCLUDE_SEEN), P.EXCLUDE_SEEN.name)
+        catalog_version = V.catalog_version(read(P.MIN_CATALOG_VERSION))
         # this model is reachable directly, not only through the ensemble: check before ranking
         V.check_ranker_inputs(
             states, keys, values, ts, history_items, cands, log_probs, codes,
             item_rows=self.model.item_rows, codebook_sizes=self.model.cfg.codebook_sizes,
             max_history=self.max_history, max_candidates=self.max_beams,
         )
-        return Ranking(states[0, -1], keys[0], values[0], ts[0], history_items[0], cands[0], log_probs[0], codes[0], top_k, exclude_seen)
+        return Ranking(states[0, -1], keys[0], values[0], ts[0], history_items[0], cands[0], log_probs[0], codes[0], top_k, exclude_seen,
+                       catalog_version)
 
     def _scores(self, reqs, cands):
         """Ranking logits [B, M] of the batch's padded candidate lists cands [B, M] (histories
@@ -162,6 +171,7 @@ class RankerStage:
             P.RANK_SCORES.name: scores[b : b + 1, :kk].astype(np.float32),
             P.RETRIEVAL_LOG_PROBS.name: log_probs[b : b + 1, :kk].astype(np.float32),
             P.SEMANTIC_IDS.name: codes[b : b + 1, :kk].astype(np.int32),
+            P.CATALOG_VERSION.name: np.array([[self.catalog.version]], dtype=np.int64),
         })
 
     def handle(self, requests: list) -> list:
@@ -175,6 +185,8 @@ class RankerStage:
                 responses[i] = StageResponse.failed(e, P.RANKER)
         if not batch:
             return responses
+        if self.catalog.sync(max(r.catalog_version for _, r in batch)):  # the whole call at one catalog version
+            self.raw_ids = self._raw_ids()
         try:
             items, scores, log_probs, codes = self._order([r for _, r in batch])  # [B, k] best first
         except Exception as e:  # noqa: BLE001
