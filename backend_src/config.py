@@ -53,6 +53,14 @@ class ModelConfig:
     dense_fusion_weight_seen_excluded: float | None = None
     covisit_fusion_weight: float = 0.0
     covisit_fusion_weight_seen_excluded: float | None = None
+    # items added to the catalog after training (model/catalog.py) have no co-visitation counts and a
+    # vector from their codes alone: the served order adds the `catalog_candidates` live added items
+    # nearest in content to the user's last items to the beam's candidates (with the beam's lowest
+    # log-probability, an upper bound of theirs) and adds catalog_content_weight * the content cosine
+    # to an added item's score (chosen on Amazon Scientific's validation split, cold-start protocol:
+    # docs/catalog.md); trained items score as before
+    catalog_candidates: int = 20
+    catalog_content_weight: float = 0.0
 
     def fusion_weights(self, exclude_seen: bool = False) -> tuple[float, float, float]:
         """The fused order's (ranker weight w, dense weight v, co-visitation weight u) under a

@@ -89,10 +89,11 @@ def build_model(data, cfg: ModelConfig, embedding_dim: int = 64, seed: int = 0, 
                                             sources=item_embeddings, balanced=balanced_codes, quantizer=quantizer,
                                             log=log)
     if dist.is_distributed():
-        codes, centers = dist.broadcast_object(
-            (codebook.codes, [codebook.get_buffer(f"center_{t}") for t in range(codebook.num_levels - 1)])
+        codes, centers, content = dist.broadcast_object(
+            (codebook.codes, [codebook.get_buffer(f"center_{t}") for t in range(codebook.num_levels - 1)], codebook.content)
             if codebook is not None else None)
-        codebook = SemanticIdCodebook(codes[1:], centers=centers if all(c.numel() for c in centers) else None)
+        kept = all(c.numel() for c in centers)
+        codebook = SemanticIdCodebook(codes[1:], centers=centers if kept else None, content=content[1:] if kept else None)
     cfg.codebook_sizes = tuple(int(c) for c in codebook.codebook_sizes)
     sources = embedding_sources(data, item_embeddings)
     if getattr(data, "item_attributes", None):

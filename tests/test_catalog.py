@@ -41,9 +41,11 @@ def checkpoint(tmp_path_factory):
     return tmp, content
 
 
-def _history(model, n=5):
-    items = torch.arange(1, n + 1)[None]
-    return model.encode(items, torch.ones_like(items), 1000 + 60 * torch.arange(n)[None], torch.tensor([n]))
+HISTORY = torch.arange(1, 6)[None]
+
+
+def _history(model):
+    return model.encode(HISTORY, torch.ones_like(HISTORY), 1000 + 60 * torch.arange(5)[None], torch.tensor([5]))
 
 
 def Change(version, adds=(), retires=()):
@@ -65,10 +67,10 @@ def test_no_change_answers_as_before_and_the_checkpoint_keeps_the_quantizer(chec
     model = GenerativeRecommender.load(tmp / "model.pt")
     assert model.codebook.has_quantizer and model.backbone.catalog_code_embedding.numel() > 0
     assert model.cfg.catalog_code_levels == 3 and model.cfg.code_embedding_levels == 0
-    before = model.recommend(_history(model), FULL, top_k=10)
+    before = model.recommend(_history(model), FULL, top_k=10, history_items=HISTORY)
     catalog = ItemCatalog(model, capacity=20)
     catalog.apply([Change(1, retires=("not-an-item",))])  # a change that touches nothing the model has
-    after = model.recommend(_history(model), FULL, top_k=10)
+    after = model.recommend(_history(model), FULL, top_k=10, history_items=HISTORY)
     assert torch.equal(before.items, after.items) and torch.allclose(before.rank_scores, after.rank_scores)
 
 
@@ -99,7 +101,7 @@ def test_an_added_item_is_placed_by_its_content_and_can_be_generated(checkpoint)
     assert model.item_indices(["new-a", "i3", "never-seen"], strict=False).tolist() == [row0, 3, model.unknown_index]
     dense = model.dense_scores(_history(model).last_states())
     assert torch.isfinite(dense[0, row0]) and dense.shape[1] == row0 + 2
-    rec = model.recommend(_history(model), FULL, top_k=NUM_ITEMS + 2)
+    rec = model.recommend(_history(model), FULL, top_k=NUM_ITEMS + 2, history_items=HISTORY)
     assert {row0, row0 + 1} <= set(rec.items[0].tolist())
     assert model.row_ids()[row0] == "new-a"
 
@@ -114,7 +116,7 @@ def test_retired_items_are_never_generated_and_histories_holding_them_still_enco
     beams = model.retrieve(history, FULL)
     generated = set(beams.item_ids[0].tolist())
     assert generated.isdisjoint({3, 9, NUM_ITEMS + 2}) and len(generated - {0}) == NUM_ITEMS - 2
-    rec = model.recommend(history, FULL, top_k=NUM_ITEMS)
+    rec = model.recommend(history, FULL, top_k=NUM_ITEMS, history_items=HISTORY)
     assert set(rec.items[0].tolist()).isdisjoint({3, 9, NUM_ITEMS + 2})
     dense = model.dense_scores(history.last_states())
     assert torch.isinf(dense[0, [3, 9, NUM_ITEMS + 2]]).all()
@@ -147,3 +149,26 @@ def test_every_stage_places_items_alike_and_capacity_is_a_clear_error(checkpoint
     assert catalog.version == 0 and catalog.rows_in_use == NUM_ITEMS + 2
     with pytest.raises(ValueError, match="missing"):
         catalog.apply(changes[2:])
+
+
+def test_added_items_nearest_in_content_join_the_candidates(checkpoint):
+    """A beam too narrow to reach an added item: the served order still puts the added items nearest in
+    content to the user's last items among the candidates, scored with the content weight; with no item
+    added the order is as before."""
+    tmp, content = checkpoint
+    narrow = DecodeOptions(mode="full", beam_width=4)
+    model = GenerativeRecommender.load(tmp / "model.pt")
+    model.cfg.catalog_candidates, model.cfg.catalog_content_weight = 2, 50.0
+    history = _history(model)
+    before = model.recommend(history, narrow, top_k=4, history_items=HISTORY)
+    catalog = ItemCatalog(model, capacity=5)
+    near_last = _near(content, 5, 1)  # next to the history's last item
+    catalog.apply([Change(1, adds=(CatalogItem("near", near_last, "a"), CatalogItem("far", -near_last, "b")))])
+    assert NUM_ITEMS + 2 not in model.retrieve(history, narrow).item_ids[0].tolist()
+    rec = model.recommend(history, narrow, top_k=6, history_items=HISTORY)
+    items = rec.items[0].tolist()
+    assert items[0] == NUM_ITEMS + 2 and NUM_ITEMS + 3 in items  # both added candidates; the near one first
+    assert torch.equal(rec.codes[0, 0], model.codebook.codes[NUM_ITEMS + 2])
+    # trained candidates keep their order and scores
+    trained = [i for i in items if i <= NUM_ITEMS]
+    assert trained == [i for i in before.items[0].tolist() if i in trained]

@@ -6,8 +6,11 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
-from backend_src.model.recommender import content_vectors
+from backend_src.config import DecodeOptions
+from backend_src.model.catalog import ItemCatalog
+from backend_src.model.recommender import GenerativeRecommender, content_vectors
 from backend_src.serving.access import ADMIN_KEY_DIGEST_ENV, key_digest
 from backend_src.serving.stages.catalog import CatalogStage
 from backend_src.serving.stages.decoder import DecoderStage
@@ -92,6 +95,16 @@ def test_added_items_are_served_and_retired_ones_never_again(stages, repo, tmp_p
     rows = set(decoded.outputs[P.CANDIDATE_ITEMS.name][0].tolist())
     assert {NUM_ITEMS + 2, NUM_ITEMS + 3} <= rows  # the decoder generates both added items
     assert version == 1 and {"new-1", "new-2"} <= set(ids) and len(ids) == NUM_ITEMS + 2
+    # served = offline: the whole model with the same catalog changes applied gives the same list
+    model = GenerativeRecommender.load(repo.parent / "model.pt")
+    model.cfg.catalog_content_weight = 1.0
+    ItemCatalog(model, capacity=6).apply(stages[P.CATALOG].store.changes(0))
+    stages[P.RANKER].model.cfg.catalog_content_weight = 1.0
+    _, _, ids, _ = recommend(stages, 17, [item_id(1), "new-1", "never-added"], TOP_K=12)
+    rows = torch.tensor([model.item_indices([item_id(1), "new-1", "never-added"], strict=False)])
+    cache = model.encode(rows, torch.ones_like(rows), 1000 + 60 * torch.arange(3)[None], torch.tensor([3]))
+    rec = model.recommend(cache, DecodeOptions(mode="full", beam_width=64), top_k=12, history_items=rows)
+    assert ids == [model.row_ids()[i] for i in rec.items[0].tolist()]
     # the same content again: no change; other content: refused unless replaced
     assert catalog(stages[P.CATALOG], "add", items=[{"id": "new-1", "vector": near(3, 1)}])["version"] == 1
     refused = catalog(stages[P.CATALOG], "add", items=[{"id": "new-1", "vector": near(20, 3)}])

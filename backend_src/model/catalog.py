@@ -172,6 +172,7 @@ class ItemCatalog:
             self.codes[row] = codes[j]
             self.hashes[row - self.first_row] = item.content_hash
             self.live[row] = True
+            self._embeddings[row] = np.asarray(item.embedding, np.float32)
         if fresh:
             codes = codes[len(replaced):]
             rows = torch.arange(len(fresh)) + self.first_row + len(self.ids)
@@ -181,6 +182,7 @@ class ItemCatalog:
                 self.row_of[item.item_id] = row
                 self.ids.append(item.item_id)
                 self.hashes.append(item.content_hash)
+                self._embeddings[row] = np.asarray(item.embedding, np.float32)
         for raw in change.retires:
             row = self.trained_index.get(raw, self.row_of.get(raw))
             if row is not None:
@@ -202,6 +204,10 @@ class ItemCatalog:
             backbone.item_embedding.num_embeddings = rows
         model.item_live = self.live.to(model.item_live.device).clone()
         model.rows_in_use = self.first_row
+        content = model.codebook.content
+        if content.numel():  # the content each row's item was placed by (zero where none)
+            model.codebook.content = torch.cat([content, content.new_zeros(rows - content.shape[0], content.shape[1])])
+        self._embeddings = {}  # row -> an added item's content embedding, until published
 
     def _publish(self) -> None:
         """Every place an item lives takes the catalog's state (new tensors, not edits of the ones
@@ -213,10 +219,18 @@ class ItemCatalog:
             with torch.no_grad():
                 weight = model.backbone.item_embedding.weight
                 weight[added] = model.backbone.code_vectors(self.codes[added].to(weight.device))
+        content = model.codebook.content
+        if content.numel() and self._embeddings:
+            rows = torch.tensor(list(self._embeddings))
+            grown = content.clone()  # a new table: a request may be reading the old one
+            grown[rows.to(content.device)] = torch.from_numpy(np.stack(list(self._embeddings.values()))).to(content)
+            model.codebook.content = grown
+            self._embeddings = {}
         model.item_live = self.live.to(model.item_live.device).clone()
         model.rows_in_use = n
         if model.vocabulary_size:  # stages that read or write raw ids
             model.add_vocabulary(self.ids, self.first_row)
+        model.codebook.register_buffer("codes", self.codes[:n].to(model.codebook.codes.device))
         if model.decoder is not None:
             self._publish_decoder()
 
@@ -254,7 +268,6 @@ class ItemCatalog:
         leaf = torch.zeros(counts[-1], dtype=torch.long)
         leaf[prefix[use]] = torch.arange(n)[use]
         codebook.register_buffer("leaf_item", leaf.to(codebook.codes.device))
-        codebook.register_buffer("codes", codes.to(codebook.codes.device))
         codebook._build_decode_tables()
         for t, trained in self._trained_nodes.items():  # step t's node ids are level-(t+1) prefixes
             extra = counts[int(t) + 1] - (trained.shape[0] - 1)

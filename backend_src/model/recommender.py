@@ -39,18 +39,37 @@ STAGE_PARTS = {
 
 
 def fuse(rank_scores: torch.Tensor, log_probs: torch.Tensor, weight, dense_log_probs: torch.Tensor | None = None,
-         dense_weight=0.0, covisit_scores: torch.Tensor | None = None, covisit_weight=0.0) -> torch.Tensor:
+         dense_weight=0.0, covisit_scores: torch.Tensor | None = None, covisit_weight=0.0,
+         content_scores: torch.Tensor | None = None, content_weight=0.0) -> torch.Tensor:
     """The fused order's score, retrieval log-probability + weight * M-FALCON logit + dense_weight
-    * the dense head's log-softmax + covisit_weight * the co-visitation score (a product of the
-    experts); each weight is a number or broadcasts against the scores (e.g. [B, 1], one per
-    request). A candidate the ranker scores -inf (an empty slot) stays -inf (also where a zero
-    weight made 0 * -inf a NaN)."""
+    * the dense head's log-softmax + covisit_weight * the co-visitation score + content_weight * the
+    content score of items added to the catalog (a product of the experts); each weight is a number
+    or broadcasts against the scores (e.g. [B, 1], one per request). A candidate the ranker scores
+    -inf (an empty slot) stays -inf (also where a zero weight made 0 * -inf a NaN)."""
     scores = log_probs + weight * rank_scores
     if dense_log_probs is not None:
         scores = scores + dense_weight * dense_log_probs
     if covisit_scores is not None:
         scores = scores + covisit_weight * covisit_scores
+    if content_scores is not None:
+        scores = scores + content_weight * content_scores
     return scores.masked_fill(rank_scores == float("-inf"), float("-inf"))
+
+
+CONTENT_PROFILE_EVENTS = 3  # a user's last events whose content the catalog's added items are compared with
+
+
+def append_candidates(items, log_probs, codes, extra, extra_codes):
+    """The beam's candidates items/log_probs [B, W] and codes [B, W, C] followed by `extra` [B, X]
+    (0 = none; one already among the beam's is dropped), codes extra_codes [B, X, C]: the extra
+    candidates take each row's lowest finite beam log-probability (a candidate the beam did not
+    generate is at most as likely as its last)."""
+    extra = extra.masked_fill((extra[:, :, None] == items[:, None, :]).any(-1), 0)
+    lowest = log_probs.masked_fill(~torch.isfinite(log_probs), float("inf")).min(1, keepdim=True).values
+    lowest = lowest.masked_fill(~torch.isfinite(lowest), float("-inf"))
+    extra_lp = lowest.expand(-1, extra.shape[1]).masked_fill(extra == 0, float("-inf"))
+    return (torch.cat([items, extra], 1), torch.cat([log_probs, extra_lp.to(log_probs.dtype)], 1),
+            torch.cat([codes, extra_codes.masked_fill((extra == 0)[:, :, None], -1).to(codes.dtype)], 1))
 
 
 def log_softmax_at(scores: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
@@ -78,6 +97,8 @@ def served_order(
     dense_weight=0.0,  # a number, or [B, 1]
     covisit_scores: torch.Tensor | None = None,  # [B, W] the co-visitation score of the candidates
     covisit_weight=0.0,  # a number, or [B, 1]
+    content_scores: torch.Tensor | None = None,  # [B, W] content cosine of catalog-added candidates (0 for others)
+    content_weight=0.0,
     rank_by: str = "fused",
     exclude_seen=False,  # a bool, or [B] bool: one per row
     top_k: int = 10,
@@ -95,7 +116,8 @@ def served_order(
     columns of `candidates` the slots came from (to gather e.g. semantic IDs; mask empty slots
     with items == 0)."""
     if rank_by == "fused":
-        scores = fuse(rank_scores, log_probs, fusion_weight, dense_log_probs, dense_weight, covisit_scores, covisit_weight)
+        scores = fuse(rank_scores, log_probs, fusion_weight, dense_log_probs, dense_weight, covisit_scores, covisit_weight,
+                      content_scores, content_weight)
     elif rank_by == "ranker":
         scores = rank_scores
     else:
@@ -232,7 +254,7 @@ class GenerativeRecommender(nn.Module):
 
         content = content_vectors(len(item_ids) - 1)
         codes, centers = residual_kmeans(content, (codes_per_level,) * levels, iters=10, return_centers=True)
-        codebook = SemanticIdCodebook(assign_collision_codes(codes), centers=centers)
+        codebook = SemanticIdCodebook(assign_collision_codes(codes), centers=centers, content=content)
         cfg = ModelConfig(
             num_items=len(item_ids) - 1, d_model=d_model, num_layers=num_layers, num_heads=num_heads,
             max_seq_len=max_history, codebook_sizes=tuple(int(s) for s in codebook.codebook_sizes),
@@ -328,6 +350,41 @@ class GenerativeRecommender(nn.Module):
         co-visitation expert's scores, or None where the model has none."""
         return None if self.covisitation is None else self.covisitation.scores(history_items, candidates)
 
+    # ---- the catalog's added items: content ----------------------------------------------------
+    @property
+    def has_added_items(self) -> bool:
+        return self.rows_in_use > self.cfg.num_items + 2
+
+    def content_profile(self, history_items: torch.Tensor) -> torch.Tensor | None:
+        """history_items [B, N] (0 after each row's events) -> [B, E] the unit mean content embedding
+        of each user's last CONTENT_PROFILE_EVENTS items; None where the model kept no content."""
+        content = self.codebook.content if self.codebook is not None else None
+        if content is None or not content.numel():
+            return None
+        gaps = torch.arange(1, CONTENT_PROFILE_EVENTS + 1, device=history_items.device)
+        at = (history_items > 0).sum(1, keepdim=True) - gaps
+        last = history_items.gather(1, at.clamp_min(0)).masked_fill(at < 0, 0)
+        return F.normalize(content[last.to(content.device)].sum(1), dim=-1)
+
+    def added_candidates(self, profile: torch.Tensor, history_items: torch.Tensor, count: int) -> torch.Tensor:
+        """[B, count] the live items added to the catalog nearest in content to `profile` and not in
+        the history (0 where fewer)."""
+        first, n = self.cfg.num_items + 2, self.rows_in_use
+        scores = profile @ self.codebook.content[first:n].T  # [B, A]
+        scores = scores.masked_fill(~self.item_live[first:n], float("-inf"))
+        A = n - first
+        cols = (history_items - first).to(scores.device)  # an added item of the history -> its column
+        cols = cols.masked_fill((cols < 0) | (cols >= A), A)  # any other row -> a spare column, then dropped
+        scores = F.pad(scores, (0, 1)).scatter(1, cols, float("-inf"))[:, :A]
+        top = scores.topk(min(count, A), dim=1)
+        return (top.indices + first).masked_fill(top.values == float("-inf"), 0)
+
+    def catalog_content_scores(self, profile: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+        """[B, W] the content cosine of each candidate added to the catalog with `profile`, 0 for the others."""
+        added = candidates >= self.cfg.num_items + 2
+        content = self.codebook.content[candidates.clamp_max(self.codebook.content.shape[0] - 1)]
+        return ((content * profile[:, None, :]).sum(-1) * added).float()
+
     def rank(self, cache: HistoryCache, candidates: torch.Tensor, microbatch_size: int = RANKER_MICROBATCH) -> torch.Tensor:
         return self.ranker.score(cache, candidates, microbatch_size)
 
@@ -347,20 +404,32 @@ class GenerativeRecommender(nn.Module):
         "ranker": the M-FALCON logit; "fused": retrieval log-probability + w * logit + v * dense
         log-softmax + u * co-visitation score, (w, v, u) = cfg.fusion_weights(exclude_seen))."""
         beams = self.retrieve(cache, options)
-        rank_scores = self.rank(cache, beams.item_ids, microbatch_size)  # [B, W]; -inf for empty beams
+        cands, cand_lp, cand_codes = beams.item_ids, beams.log_probs, beams.codes
+        fused = rank_by == "fused"
+        profile = content = None
+        if fused and self.has_added_items:  # the catalog's added items nearest in content join the candidates
+            if history_items is None:
+                raise ValueError("the catalog's added items need history_items")
+            profile = self.content_profile(history_items)
+            if profile is not None and self.cfg.catalog_candidates:
+                extra = self.added_candidates(profile, history_items, self.cfg.catalog_candidates)
+                cands, cand_lp, cand_codes = append_candidates(cands, cand_lp, cand_codes, extra, self.codebook.codes[extra])
+        rank_scores = self.rank(cache, cands, microbatch_size)  # [B, W]; -inf for empty beams
         w, v, u = self.cfg.fusion_weights(exclude_seen)
-        dense = self.dense_log_probs(cache.last_states(), beams.item_ids) if v else None
+        dense = self.dense_log_probs(cache.last_states(), cands) if v else None
         covisit = None
-        if u and rank_by == "fused":
+        if u and fused:
             if history_items is None:
                 raise ValueError("the co-visitation expert needs history_items")
-            covisit = self.covisit_scores(history_items, beams.item_ids)
+            covisit = self.covisit_scores(history_items, cands)
+        if profile is not None:
+            content = self.catalog_content_scores(profile, cands)
         items, scores, log_probs, top = served_order(
-            rank_scores, beams.log_probs, beams.item_ids, history_items, fusion_weight=w, dense_log_probs=dense,
-            dense_weight=v, covisit_scores=covisit, covisit_weight=u, rank_by=rank_by, exclude_seen=exclude_seen,
-            top_k=top_k,
+            rank_scores, cand_lp, cands, history_items, fusion_weight=w, dense_log_probs=dense,
+            dense_weight=v, covisit_scores=covisit, covisit_weight=u, content_scores=content,
+            content_weight=self.cfg.catalog_content_weight, rank_by=rank_by, exclude_seen=exclude_seen, top_k=top_k,
         )
-        codes = torch.gather(beams.codes, 1, top[:, :, None].expand(-1, -1, beams.codes.shape[-1]))
+        codes = torch.gather(cand_codes, 1, top[:, :, None].expand(-1, -1, cand_codes.shape[-1]))
         return Recommendations(
             items=items,
             rank_scores=scores,

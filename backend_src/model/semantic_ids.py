@@ -282,11 +282,12 @@ class SemanticIdCodebook(nn.Module):
       leaf_item  [P_L]     final prefix id -> item index
     """
 
-    def __init__(self, codes: torch.Tensor | None = None, num_levels: int = NUM_LEVELS, centers: list | None = None):
+    def __init__(self, codes: torch.Tensor | None = None, num_levels: int = NUM_LEVELS, centers: list | None = None,
+                 content: torch.Tensor | None = None):
         """codes [I, L] of items 1..I (unique rows). None makes an empty placeholder of
         `num_levels` levels that a state dict loads into. centers: the residual k-means centers
-        [C_t, E] of levels 0..L-2 the codes were fit with (kept: the catalog places new items with
-        them), or None."""
+        [C_t, E] of levels 0..L-2 the codes were fit with, and content [I, E] the item embeddings
+        they were fit on (kept: the catalog places new items with them and compares them), or None."""
         super().__init__()
         if codes is None:
             codes = torch.zeros(0, num_levels, dtype=torch.long)
@@ -298,6 +299,8 @@ class SemanticIdCodebook(nn.Module):
         n, self.num_levels = codes.shape
         for t in range(self.num_levels - 1):
             self.register_buffer(f"center_{t}", torch.as_tensor(centers[t]).float() if centers else torch.zeros(0, 0))
+        self.register_buffer("content", F.pad(torch.as_tensor(content).float(), (0, 0, 1, 0)) if content is not None
+                             else torch.zeros(0, 0))  # row i: item i's; row 0 (padding) zero
         sizes = codes.max(0).values + 1 if n else torch.ones(self.num_levels, dtype=torch.long)
         self.register_buffer("codes", torch.cat([torch.full((1, self.num_levels), -1), codes]))
         self.register_buffer("sizes", sizes.clone())
@@ -378,11 +381,11 @@ class SemanticIdCodebook(nn.Module):
             codes3, centers = rq_vae_codes(embeddings, sizes, seed=seed, aligned=aligned, log=log), None
         else:
             codes3, centers = residual_kmeans(embeddings, sizes, iters=iters, seed=seed, balanced=balanced, return_centers=True)
-        return cls(assign_collision_codes(codes3), centers=centers)
+        return cls(assign_collision_codes(codes3), centers=centers, content=embeddings if centers else None)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        for t in range(self.num_levels - 1):  # a checkpoint from before the centers were kept: none
-            state_dict.setdefault(f"{prefix}center_{t}", torch.zeros(0, 0))
+        for name in [f"center_{t}" for t in range(self.num_levels - 1)] + ["content"]:  # kept since the catalog
+            state_dict.setdefault(f"{prefix}{name}", torch.zeros(0, 0))
         # table shapes depend on the data: adopt the stored shapes before the normal copy
         for name in list(self._buffers):
             key = prefix + name

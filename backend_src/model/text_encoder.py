@@ -60,3 +60,30 @@ def sentence_embeddings(texts: list[str], batch_size: int = 64, max_tokens: int 
         mask = enc["attention_mask"][..., None].to(hidden.dtype)
         out[rows] = F.normalize((hidden * mask).sum(1) / mask.sum(1).clamp_min(1e-9), dim=-1)
     return out
+
+
+def embed_in_subprocess(texts: list[str], python: str, cwd, timeout_s: float = 600.0) -> torch.Tensor:
+    """sentence_embeddings run by the interpreter `python` in a process of its own (`cwd` first on its
+    path): where this process cannot import the encoder's packages (a Triton Python-backend stub, whose
+    interpreter cannot load the ssl module they import)."""
+    import json
+    import subprocess
+
+    import numpy as np
+
+    run = subprocess.run([python, "-m", "backend_src.model.text_encoder"], input=json.dumps(texts).encode(), cwd=cwd,
+                         capture_output=True, timeout=timeout_s)
+    if run.returncode != 0:
+        raise RuntimeError(f"the text encoder failed: {run.stderr.decode(errors='replace')[-500:]}")
+    return torch.from_numpy(np.load(io.BytesIO(run.stdout)))
+
+
+if __name__ == "__main__":  # texts as JSON on stdin -> their embeddings as .npy on stdout
+    import json
+    import sys
+
+    import numpy as np
+
+    buffer = io.BytesIO()
+    np.save(buffer, sentence_embeddings(json.load(sys.stdin)).numpy())
+    sys.stdout.buffer.write(buffer.getvalue())

@@ -24,15 +24,17 @@ from __future__ import annotations
 import hmac
 import json
 import os
+import shutil
+import sys
 from pathlib import Path
 from typing import Mapping
 
 import numpy as np
-import torch
 import torch.nn.functional as F
 
 from backend_src.model.catalog import TEXT_ENCODER_SOURCE
 from backend_src.model.recommender import GenerativeRecommender
+from backend_src.model.text_encoder import embed_in_subprocess
 from backend_src.serving import validation as V
 from backend_src.serving.access import ADMIN_KEY_DIGEST_ENV, key_digest
 from backend_src.serving.catalog_store import DEFAULT_MAX_ITEMS, CatalogConflict, CatalogEntry
@@ -47,7 +49,8 @@ MAX_LIST = 10_000
 
 class CatalogStage:
     def __init__(self, version_dir: Path, params: Mapping):
-        self.model = GenerativeRecommender.load(Path(version_dir) / "catalog.pt")  # the codebook and the item ids
+        self.version_dir = Path(version_dir)
+        self.model = GenerativeRecommender.load(self.version_dir / "catalog.pt")  # the codebook and the item ids
         # the catalog as every stage has it: what they could not place is refused here first
         self.sync = CatalogSync(self.model, params, version_dir, P.CATALOG)
         self.store = self.sync.store
@@ -212,12 +215,10 @@ class CatalogStage:
                 raise V.RequestError(f"catalog add: item {j} has no vector; this version's semantic IDs were fit on "
                                      f"{cfg.semantic_id_source or 'unrecorded'} embeddings, not on item text, so an "
                                      f"item needs its vector in that space ({dim} numbers)")
-        if texts:
-            from backend_src.model.text_encoder import sentence_embeddings
-
-            with torch.inference_mode():
-                emb = F.normalize(sentence_embeddings([t for _, t in texts]), dim=-1).numpy()
-            out[[j for j, _ in texts]] = emb
+        if texts:  # by the environment's interpreter: the stub's cannot import the encoder's packages
+            python = shutil.which("python3") or shutil.which("python") or sys.executable
+            emb = embed_in_subprocess([t for _, t in texts], python, self.version_dir)
+            out[[j for j, _ in texts]] = F.normalize(emb, dim=-1).numpy()
         return out
 
     def close(self) -> None:

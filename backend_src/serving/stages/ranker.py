@@ -18,7 +18,7 @@ from typing import Mapping, NamedTuple
 import numpy as np
 import torch
 
-from backend_src.model.recommender import RANK_ORDERS, GenerativeRecommender, served_order
+from backend_src.model.recommender import RANK_ORDERS, GenerativeRecommender, append_candidates, served_order
 from backend_src.serving import validation as V
 from backend_src.serving.stages.catalog_sync import CatalogSync
 from backend_src.serving.ranker_runtime import RankerRuntime
@@ -131,9 +131,20 @@ class RankerStage:
         pad = self._batch
         cands = pad([torch.from_numpy(r.candidates).clamp(min=0) for r in reqs])  # [B, M]; 0 = none
         cands = cands.masked_fill(~self.model.item_live[cands], 0)  # a row that is no item (now) is an empty slot
-        scores = self._scores(reqs, cands)
         log_probs = pad([torch.from_numpy(r.log_probs).float() for r in reqs], float("-inf"))
         codes = pad([torch.from_numpy(r.codes) for r in reqs], -1)  # [B, M, C]
+        fused = self.rank_by == "fused"
+        history = profile = content = None
+        if any(r.exclude_seen for r in reqs) or fused:
+            history = pad([torch.from_numpy(r.history_items) for r in reqs])  # [B, n], 0 = padding
+        if fused and self.model.has_added_items:  # the catalog's added items nearest in content join the candidates
+            profile = self.model.content_profile(history)
+            if profile is not None and self.model.cfg.catalog_candidates:
+                extra = self.model.added_candidates(profile, history, self.model.cfg.catalog_candidates)
+                cands, log_probs, codes = append_candidates(cands, log_probs, codes, extra,
+                                                            self.model.codebook.codes[extra].to(codes.dtype))
+            content = None if profile is None else self.model.catalog_content_scores(profile, cands)
+        scores = self._scores(reqs, cands)
         # each request takes the fusion weights chosen on validation under its seen-item policy:
         # numbers when the batch shares one policy, else [B, 1] columns
         flags = [r.exclude_seen for r in reqs]
@@ -143,11 +154,7 @@ class RankerStage:
         else:
             exclude = torch.tensor(flags)  # [B]
             weight, dense_weight, covisit_weight = (torch.tensor(column)[:, None] for column in zip(*per_request))
-        fused = self.rank_by == "fused"
         use_covisit = fused and any(u for _, _, u in per_request)
-        history = None
-        if any(flags) or use_covisit:
-            history = pad([torch.from_numpy(r.history_items) for r in reqs])  # [B, n], 0 = padding
         dense = covisit = None
         if fused and any(v for _, v, _ in per_request):
             user_states = torch.from_numpy(np.stack([r.user_state for r in reqs])).to(self.device)
@@ -157,7 +164,8 @@ class RankerStage:
             covisit = self.model.covisit_scores(history, cands).cpu()
         items, scores, log_probs, top = self.served_order(
             scores, log_probs, cands, history, fusion_weight=weight, dense_log_probs=dense, dense_weight=dense_weight,
-            covisit_scores=covisit, covisit_weight=covisit_weight, rank_by=self.rank_by, exclude_seen=exclude,
+            covisit_scores=covisit, covisit_weight=covisit_weight, content_scores=content,
+            content_weight=self.model.cfg.catalog_content_weight, rank_by=self.rank_by, exclude_seen=exclude,
             top_k=max(r.top_k for r in reqs),
         )
         codes = torch.gather(codes, 1, top[:, :, None].expand(-1, -1, codes.shape[-1]))

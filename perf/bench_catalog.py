@@ -1,0 +1,335 @@
+"""The living catalog measured: cold start as *Unifying Generative and Dense Retrieval for Sequential
+Recommendation* (LIGER) measures it, unknown items in traffic, and what the catalog costs.
+
+Cold start. The recipe is trained without 10% of the items (`export.train --hold-out-items 0.1`: their
+events removed from every training sequence) and published to a real tritonserver; every user's test
+case (the full data's leave-one-out split, seen items excluded) then goes through the served path
+before and after the held-out items are added through the catalog API with their text. Users whose
+target is a held-out item are "cold", the rest "warm". Rows, per split:
+  frozen        the held-out model, catalog unchanged (a held-out item cannot be generated: cold is 0)
+  catalog       the same server after the catalog add
+  content_only  the held-out item nearest in content (the text encoder's cosine) to the mean of the
+                user's last 3 items' (not seen)
+  trained_with  the recipe trained with every item (--ceiling), served the same way
+
+Unknown items in traffic: the warm users' histories with 5% of their events renamed to ids no model saw,
+served by the frozen model: requests refused, events logged (read back from the event log), and the warm
+users' quality beside the same replay without renaming.
+
+Cost: catalog add latency (one item with text; 10,000 items with vectors: the text encoder's time is
+the one-item number's share), the time from an add's answer to the item being returned, and the served
+p50 of recommend with no added items and with `--many` added, the two servers side by side in one run.
+
+    python -m perf.bench_catalog --data amazon-scientific --checkpoint runs/scientific-cold/model.pt \\
+        --ceiling runs/scientific-full/model.pt            # -> perf/results/catalog.json
+"""
+from __future__ import annotations
+
+import argparse
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from backend_src.config import DecodeOptions
+from backend_src.data import eval_batches, load_dataset
+from backend_src.data.loaders import hold_out_items
+from backend_src.metrics import ranking_metrics
+from backend_src.model.catalog import ItemCatalog
+from backend_src.model.recommender import GenerativeRecommender
+from backend_src.serving.catalog_store import CatalogChange, CatalogEntry
+from backend_src.results import REPO_ROOT, write_result
+from backend_src.serving.event_log import open_event_log, served_log_url
+from clients.client import RecommenderClient
+from export.triton_configs import ServingOptions
+from genrec_contract import protocol as P
+from perf.served_eval import local_server
+
+TOP_K = 10
+RENAMED_SHARE = 0.05
+
+
+def test_cases(data, max_len: int):
+    """Every user's test case on the full data: (raw-id histories, actions, timestamps, targets [B], users)."""
+    b = next(eval_batches(data, "test", batch_size=1 << 30, max_len=max_len))
+    histories = [[str(x) for x in data.item_ids[b.items[i, :n].numpy()]] for i, n in enumerate(b.lengths.tolist())]
+    actions = [b.actions[i, :n].tolist() for i, n in enumerate(b.lengths.tolist())]
+    stamps = [b.timestamps[i, :n].tolist() for i, n in enumerate(b.lengths.tolist())]
+    return histories, actions, stamps, b.target_items, b.users
+
+
+def serve_lists(url: str, histories, actions, stamps, index: dict, concurrency: int = 4) -> tuple:
+    """Each history as one session through the ensemble (defaults: the recipe's decode, seen items
+    excluded) -> [B, TOP_K] full-data item indices, the latencies (ms), the answers' catalog versions."""
+    tag = uuid.uuid4().hex[:8]
+    B = len(histories)
+    ranked = torch.zeros(B, TOP_K, dtype=torch.long)
+    latencies, versions = np.zeros(B), np.zeros(B, np.int64)
+    clients = [RecommenderClient(url) for _ in range(concurrency)]
+
+    def one(b):
+        rec = clients[b % concurrency].recommend_history(f"bench-{tag}-{b}", histories[b], actions[b], stamps[b],
+                                                         top_k=TOP_K, exclude_seen=True)
+        ranked[b, : len(rec.item_ids)] = torch.tensor([index.get(x, 0) for x in rec.item_ids], dtype=torch.long)
+        latencies[b], versions[b] = rec.latency_ms, rec.catalog_version
+
+    try:
+        with ThreadPoolExecutor(concurrency) as pool:
+            list(pool.map(one, range(B)))
+    finally:
+        for c in clients:
+            c.close()
+    return ranked, latencies, versions
+
+
+def split_rows(dataset, method, ranked, targets, cold) -> list:
+    rows = []
+    for split, mask in (("cold", cold), ("warm", ~cold)):
+        m = ranking_metrics(ranked[mask], targets[mask], (5, 10))
+        rows.append({"dataset": dataset, "split": split, "method": method, "recall10": m["recall@10"],
+                     "ndcg10": m["ndcg@10"], "recall5": m["recall@5"], "ndcg5": m["ndcg@5"], "users": int(mask.sum())})
+    return rows
+
+
+def content_only(data, held, histories_idx, lengths) -> torch.Tensor:
+    """[B, TOP_K] held-out items nearest in content to the mean of each user's last 3 items (not seen)."""
+    from backend_src.model.text_encoder import sentence_embeddings
+
+    texts = [(data.item_text or {}).get(i, "") or "" for i in range(1, data.num_items + 1)]
+    emb = F.normalize(torch.cat([torch.zeros(1, 384), sentence_embeddings(texts)]), dim=-1)  # row = item index
+    last = [h[max(0, n - 3):n] for h, n in zip(histories_idx, lengths)]
+    profile = F.normalize(torch.stack([emb[torch.as_tensor(x)].mean(0) for x in last]), dim=-1)
+    held_t = torch.as_tensor(held)
+    scores = profile @ emb[held_t].T  # [B, H]
+    for b, h in enumerate(histories_idx):
+        scores[b, torch.isin(held_t, torch.as_tensor(h[:lengths[b]]))] = float("-inf")
+    return held_t[scores.topk(TOP_K, dim=1).indices]
+
+
+def rename_events(histories, share: float, seed: int = 0):
+    """The histories with `share` of their events (never a user's last) renamed to ids no model saw."""
+    rng = np.random.default_rng(seed)
+    out, renamed = [], 0
+    for b, h in enumerate(histories):
+        h = list(h)
+        for j in np.flatnonzero(rng.random(len(h) - 1) < share):
+            h[j] = f"never-seen-{b}-{j}"
+            renamed += 1
+        out.append(h)
+    return out, renamed
+
+
+def add_items(url: str, items: list, admin_key=None, batch: int = 10_000) -> tuple:
+    """catalog_add in batches -> (the last version, seconds per batch)."""
+    seconds, version = [], 0
+    with RecommenderClient(url, admin_key=admin_key, timeout_s=600.0) as c:
+        for s in range(0, len(items), batch):
+            t0 = time.perf_counter()
+            version = c.catalog_add(items[s : s + batch])["version"]
+            seconds.append(time.perf_counter() - t0)
+    return version, seconds
+
+
+def until_returned(url: str, item_id: str, history, stamps) -> float:
+    """Seconds until a fresh session whose history ends next to `item_id` gets it back (polled)."""
+    t0 = time.perf_counter()
+    with RecommenderClient(url) as c:
+        while time.perf_counter() - t0 < 30:
+            rec = c.recommend_history(f"visible-{uuid.uuid4().hex[:8]}", history, None, stamps, top_k=100,
+                                      beam_width=256, exclude_seen=True)
+            if item_id in rec.item_ids:
+                return time.perf_counter() - t0
+    return float("nan")
+
+
+def offline_lists(model, data, split: str, index: dict, users: np.ndarray) -> tuple:
+    """`users`' cases of `split` through GenerativeRecommender.recommend as the server runs it (the
+    recipe's decode, seen items excluded, raw ids mapped by the model's vocabulary and catalog) ->
+    ([B, TOP_K] full-data item indices, targets [B])."""
+    rows_of = np.vectorize(lambda i: 0 if i == 0 else int(model.item_indices([str(data.item_ids[i])], strict=False)[0]))
+    row_ids = model.row_ids()
+    ranked, targets = [], []
+    with torch.no_grad():
+        for b in eval_batches(data, split, batch_size=256, max_len=model.cfg.max_seq_len, users=users):
+            rows = torch.from_numpy(rows_of(b.items.numpy()).astype(np.int64))
+            cache = model.encode(rows, b.actions, b.timestamps, b.lengths)
+            rec = model.recommend(cache, DecodeOptions(), top_k=TOP_K, exclude_seen=True, history_items=rows)
+            ranked.append(torch.tensor([[index.get(str(row_ids[r]), 0) if r else 0 for r in row] for row in rec.items.tolist()]))
+            targets.append(b.target_items)
+    return torch.cat(ranked), torch.cat(targets)
+
+
+def add_offline(model, data, held) -> ItemCatalog:
+    """The held-out items added to `model` in this process as the catalog model adds them (their text)."""
+    from backend_src.model.catalog import catalog_embeddings
+
+    texts = [(data.item_text or {}).get(int(i), "") for i in held]
+    emb = catalog_embeddings(model.cfg, texts=texts).numpy()
+    catalog = ItemCatalog(model, capacity=len(held))
+    entries = tuple(CatalogEntry(str(data.item_ids[i]), {"text": t}, e) for i, t, e in zip(held, texts, emb))
+    catalog.apply([CatalogChange(1, entries, (), 0.0)])
+    return catalog
+
+
+def tune(checkpoint, data, held, index, warm_sample: int = 2000, seed: int = 0) -> dict:
+    """catalog_candidates and catalog_content_weight on the validation split (every user whose validation
+    target is a held-out item, and `warm_sample` others): the best recall@10 over all of them whose warm
+    recall@10 stays within 1% of the model's with no catalog change."""
+    valid = data.items[data.offsets[1:] - 2]
+    cold_users = np.flatnonzero(np.isin(valid, held))
+    rng = np.random.default_rng(seed)
+    users = np.sort(np.concatenate([cold_users, rng.choice(np.setdiff1d(np.arange(data.num_users), cold_users),
+                                                            warm_sample, replace=False)]))
+    base = GenerativeRecommender.load(checkpoint)
+    ranked, targets = offline_lists(base, data, "valid", index, users)
+    cold = torch.as_tensor(np.isin(targets.numpy(), held))
+    floor = ranking_metrics(ranked[~cold], targets[~cold], (10,))["recall@10"]
+    trials = []
+    for count in (10, 30):
+        for weight in (0.0, 2.0, 5.0, 10.0, 20.0, 40.0):
+            model = GenerativeRecommender.load(checkpoint)
+            model.cfg.catalog_candidates, model.cfg.catalog_content_weight = count, weight
+            add_offline(model, data, held)
+            ranked, _ = offline_lists(model, data, "valid", index, users)
+            m = {split: ranking_metrics(ranked[mask], targets[mask], (10,))["recall@10"]
+                 for split, mask in (("all", torch.ones_like(cold)), ("cold", cold), ("warm", ~cold))}
+            trials.append({"catalog_candidates": count, "catalog_content_weight": weight, **m})
+            print(trials[-1], flush=True)
+    ok = [t for t in trials if t["warm"] >= 0.99 * floor] or trials
+    best = max(ok, key=lambda t: t["all"])
+    return {"valid_users": len(users), "valid_cold_users": int(cold.sum()), "warm_recall10_no_change": floor,
+            "trials": trials, "chosen": {k: best[k] for k in ("catalog_candidates", "catalog_content_weight")}}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", required=True)
+    ap.add_argument("--checkpoint", required=True, help="the recipe trained with --hold-out-items")
+    ap.add_argument("--ceiling", help="the recipe trained with every item")
+    ap.add_argument("--hold-out", type=float, default=0.1)
+    ap.add_argument("--seed", type=int, default=0, help="the training's seed (it chose the held-out items)")
+    ap.add_argument("--users", type=int, default=None, help="the first N users (default all)")
+    ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--many", type=int, default=100_000, help="added items for the latency comparison (0: skip)")
+    ap.add_argument("--latency-requests", type=int, default=300)
+    ap.add_argument("--results", default=None)
+    ap.add_argument("--tune", action="store_true", help="only choose catalog_candidates and catalog_content_weight on the "
+                                                         "validation split, in this process")
+    a = ap.parse_args(argv)
+
+    data = load_dataset(a.data)
+    _, held = hold_out_items(data, a.hold_out, a.seed)
+    index = {str(x): i for i, x in enumerate(data.item_ids) if i > 0}
+    if a.tune:
+        tuned = tune(a.checkpoint, data, held, index, seed=a.seed)
+        print(tuned["chosen"])
+        write_result(Path(REPO_ROOT) / (a.results or f"perf/results/catalog_tuning_{Path(a.data).name}.json"), tuned["trials"],
+                     checkpoint=a.checkpoint, **{k: v for k, v in tuned.items() if k != "trials"})
+        return 0
+    model = GenerativeRecommender.load(a.checkpoint)
+    histories, actions, stamps, targets, users = test_cases(data, model.cfg.max_seq_len)
+    if a.users:
+        histories, actions, stamps, targets, users = (histories[: a.users], actions[: a.users], stamps[: a.users],
+                                                      targets[: a.users], users[: a.users])
+    cold = torch.as_tensor(np.isin(targets.numpy(), held))
+    lengths = [len(h) for h in histories]
+    hist_idx = [[index[x] for x in h] for h in histories]
+    rows, out = [], {}
+    options = ServingOptions(catalog_poll_s=0.5)
+    work = Path(REPO_ROOT) / "runs"
+    with local_server(a.checkpoint, options, workdir=work) as server:
+        url = server.grpc_url
+        print(f"{len(histories)} users ({int(cold.sum())} cold), {len(held)} held-out items")
+        ranked, lat, _ = serve_lists(url, histories, actions, stamps, index, a.concurrency)
+        rows += split_rows(data.name, "frozen", ranked, targets, cold)
+        out["recommend_p50_ms_frozen"] = float(np.percentile(lat, 50))
+        # unknown items in traffic: the frozen model's warm users, 5% of their events renamed
+        warm = (~cold).nonzero().squeeze(1).tolist()
+        renamed, n_renamed = rename_events([histories[b] for b in warm], RENAMED_SHARE, a.seed)
+        tag = uuid.uuid4().hex[:8]
+        refused, answered = 0, []
+        ranked_r = torch.zeros(len(warm), TOP_K, dtype=torch.long)
+        with RecommenderClient(url) as c:
+            for j, b in enumerate(warm):
+                try:
+                    rec = c.recommend_history(f"renamed-{tag}-{j}", renamed[j], actions[b], stamps[b], top_k=TOP_K, exclude_seen=True)
+                except Exception:  # noqa: BLE001 - counted: the goal is none
+                    refused += 1
+                    continue
+                ranked_r[j, : len(rec.item_ids)] = torch.tensor([index.get(x, 0) for x in rec.item_ids], dtype=torch.long)
+                answered.append(j)
+        # every event in the log, as sent (raw ids): read back
+        with open_event_log(served_log_url({}, server.model_repository)) as log:
+            tails = log.tails([P.session_key(f"renamed-{tag}-{j}") for j in answered], model.cfg.max_seq_len)
+        sent = sum(map(len, renamed))
+        logged = sum(len(renamed[j]) for t, j in zip(tails, answered) if list(t.items) == renamed[j])
+        renamed_m = ranking_metrics(ranked_r, targets[warm], (5, 10))
+        plain_m = ranking_metrics(ranked[warm], targets[warm], (5, 10))
+        out.update(unknown_item_requests_refused=refused, unknown_item_events_renamed=n_renamed,
+                   unknown_item_events_logged_share=logged / max(sent, 1),
+                   unknown_items_warm_recall10=renamed_m["recall@10"], unknown_items_warm_ndcg10=renamed_m["ndcg@10"],
+                   no_renaming_warm_recall10=plain_m["recall@10"], no_renaming_warm_ndcg10=plain_m["ndcg@10"])
+        # the catalog adds the held-out items with their text
+        items = [{"id": str(data.item_ids[i]), "text": (data.item_text or {}).get(int(i), "")} for i in held]
+        t0 = time.perf_counter()
+        version, _ = add_items(url, items[:1])
+        out["add_one_s"] = time.perf_counter() - t0
+        h0 = next(b for b in range(len(histories)) if not cold[b])
+        out["add_visible_s"] = until_returned(url, items[0]["id"], histories[h0], stamps[h0])
+        version, seconds = add_items(url, items[1:])
+        out["add_held_out_s"] = sum(seconds)
+        out["add_held_out_items"] = len(items)
+        time.sleep(2 * options.catalog_poll_s)
+        ranked, lat, versions = serve_lists(url, histories, actions, stamps, index, a.concurrency)
+        assert (versions == version).all(), "every answer at the catalog version of the last add"
+        rows += split_rows(data.name, "catalog", ranked, targets, cold)
+        out["recommend_p50_ms_catalog"] = float(np.percentile(lat, 50))
+    rows += split_rows(data.name, "content_only", content_only(data, held, hist_idx, lengths), targets, cold)
+    if a.ceiling:
+        with local_server(a.ceiling, options, workdir=work) as server:
+            ranked, _, _ = serve_lists(server.grpc_url, histories, actions, stamps, index, a.concurrency)
+        rows += split_rows(data.name, "trained_with", ranked, targets, cold)
+    if a.many:
+        out.update(latency_with_many(a.checkpoint, options, work, histories, actions, stamps, a.many, a.latency_requests,
+                                     model.codebook.get_buffer("center_0").shape[1]))
+    for r in rows:
+        print(f"{r['dataset']:>18} {r['split']:>4} {r['method']:>13} R@10={r['recall10']:.4f} N@10={r['ndcg10']:.4f} "
+              f"users={r['users']}")
+    print({k: v for k, v in out.items()})
+    name = a.results or f"perf/results/catalog_{Path(a.data).name}.json"
+    write_result(Path(REPO_ROOT) / name, rows, checkpoint=a.checkpoint, ceiling=a.ceiling, hold_out=a.hold_out,
+                 seed=a.seed, held_out_items=len(held), **out)
+    return 0
+
+
+def latency_with_many(checkpoint, options, work, histories, actions, stamps, many: int, requests: int, dim: int) -> dict:
+    """recommend's served p50 on two servers of the same version side by side, one with `many` items added
+    (vectors: their placing is what is timed here, not the text encoder), requests alternating."""
+    rng = np.random.default_rng(0)
+    with local_server(checkpoint, options, workdir=work) as plain, local_server(checkpoint, options, workdir=work) as grown:
+        vectors = rng.standard_normal((many, dim)).astype(np.float32)
+        items = [{"id": f"added-{j}", "vector": vectors[j].tolist()} for j in range(many)]
+        t0 = time.perf_counter()
+        _, seconds = add_items(grown.grpc_url, items)
+        out = {"add_10k_s_p50": float(np.median(seconds)), "added_items": many, "add_many_s": time.perf_counter() - t0}
+        time.sleep(2 * options.catalog_poll_s)
+        lat = {0: [], many: []}
+        tag = uuid.uuid4().hex[:8]
+        with RecommenderClient(plain.grpc_url) as a, RecommenderClient(grown.grpc_url) as b:
+            for j in range(requests):
+                u = j % len(histories)
+                for n, c in ((0, a), (many, b)) if j % 2 else ((many, b), (0, a)):
+                    rec = c.recommend_history(f"lat-{tag}-{n}-{j}", histories[u], actions[u], stamps[u], top_k=TOP_K,
+                                              exclude_seen=True)
+                    lat[n].append(rec.latency_ms)
+    out.update(recommend_p50_ms_no_adds=float(np.percentile(lat[0], 50)),
+               recommend_p50_ms_100k_adds=float(np.percentile(lat[many], 50)))
+    return out
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
