@@ -15,7 +15,7 @@ export MALLOC_MMAP_THRESHOLD_ ?= 33554432
 export MALLOC_TRIM_THRESHOLD_ ?= 4294967296
 export MALLOC_TOP_PAD_ ?= 268435456
 
-.PHONY: setup test test-fast demo bench bench-offline bench-served bench-sessions bench-writers bench-scaleout bench-gpu check-triton36 train-beauty train-beauty-refit train-scientific baselines-beauty train-ml1m ablation-ml1m clean
+.PHONY: setup test test-fast demo bench bench-offline bench-served bench-catalog bench-sessions bench-writers bench-scaleout bench-gpu check-triton36 train-beauty train-beauty-refit train-scientific baselines-beauty train-ml1m ablation-ml1m clean
 
 ## setup: the pinned environment (torch 2.13.0 CPU build, Triton server 2.51 from nvidia-pytriton)
 setup: .venv/.installed
@@ -80,6 +80,19 @@ bench-served: setup $(LOCUST_VENV)/.installed $(RECIPE_BEAUTY) $(RECIPE_LONG)
 	$(SERVED) --checkpoint $(RECIPE_LONG) --data ml-1m --histories 50 512 2048 --requests 100 \
 		--out perf/results/served_recipe_long.json
 	$(PY) -m perf.report
+
+## the living catalog: cold start (Amazon Scientific and ML-1M, 10% of the items held out of training, then added
+## through the catalog), unknown items in traffic, add costs (two replicas: needs redis-server and nginx) (~2 h)
+bench-catalog: setup
+	for d in amazon-scientific ml-1m; do r=$$([ $$d = ml-1m ] && echo --recipe); \
+		$(PY) -m export.train --data $$d $$r --hold-out-items 0.1 --out $(RUNS)/catalog-$$d-cold/model.pt || exit 1; \
+		$(PY) -m export.train --data $$d $$r --out $(RUNS)/catalog-$$d-full/model.pt || exit 1; \
+	done
+	$(PY) -m perf.bench_catalog --data amazon-scientific --checkpoint $(RUNS)/catalog-amazon-scientific-cold/model.pt --tune
+	$(SHARED_CORES) $(PY) -m perf.bench_catalog --data amazon-scientific --checkpoint $(RUNS)/catalog-amazon-scientific-cold/model.pt \
+		--ceiling $(RUNS)/catalog-amazon-scientific-full/model.pt --cluster
+	$(SHARED_CORES) $(PY) -m perf.bench_catalog --data ml-1m --checkpoint $(RUNS)/catalog-ml-1m-cold/model.pt \
+		--ceiling $(RUNS)/catalog-ml-1m-full/model.pt --many 0 --add-to
 
 ## sessions at scale (100,000 users, a 1,000,000-user log), under faults, and the event log's cost (~40 min)
 bench-sessions: setup

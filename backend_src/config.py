@@ -57,10 +57,10 @@ class ModelConfig:
     # vector from their codes alone: the served order adds the `catalog_candidates` live added items
     # nearest in content to the user's last items to the beam's candidates (with the beam's lowest
     # log-probability, an upper bound of theirs) and adds catalog_content_weight * the content cosine
-    # to an added item's score (chosen on Amazon Scientific's validation split, cold-start protocol:
-    # docs/catalog.md); trained items score as before
-    catalog_candidates: int = 20
-    catalog_content_weight: float = 0.0
+    # to an added item's score (chosen once on Amazon Scientific's validation split, cold-start protocol:
+    # docs/catalog.md); trained items score as before. Not a checkpoint's: these defaults apply to every one
+    catalog_candidates: int = 10
+    catalog_content_weight: float = 5.0
 
     def fusion_weights(self, exclude_seen: bool = False) -> tuple[float, float, float]:
         """The fused order's (ranker weight w, dense weight v, co-visitation weight u) under a
@@ -82,18 +82,20 @@ class ModelConfig:
         return len(self.codebook_sizes)
 
     def to_dict(self) -> dict:
-        d = dataclasses.asdict(self)
+        d = {k: v for k, v in dataclasses.asdict(self).items() if k not in _NOT_SAVED}
         d["codebook_sizes"] = list(self.codebook_sizes)
         d["node_output_sizes"] = list(self.node_output_sizes)
         return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
-        d = dict(d)
+        d = {k: v for k, v in d.items() if k not in _NOT_SAVED}
         d["codebook_sizes"] = tuple(d["codebook_sizes"])
         d["node_output_sizes"] = tuple(d.get("node_output_sizes", ()))
         return cls(**d)
 
+
+_NOT_SAVED = ("catalog_candidates", "catalog_content_weight")  # the code's defaults serve every checkpoint
 
 ATTENTION_MODES = ("full", "pfa", "pfa_per_beam", "dynamic_topk")
 

@@ -109,6 +109,33 @@ def test_a_new_version_rolls_out_replica_by_replica(cluster):
     assert rec.restored and rec.event_count == 9
 
 
+def test_catalog_changes_reach_every_replica_also_one_down_during_the_add(cluster):
+    """An add through one replica reaches the other within a few polls (both answer at its catalog version);
+    a replica killed before an add and started after it serves that version at once (it replays the store
+    at load)."""
+    c = cluster["cluster"]
+    urls = c.replica_urls
+    items, actions, ts = events(0, 3)
+
+    def version_of(url):
+        with RecommenderClient(url) as client:
+            return client.recommend_history(f"cat-{time.monotonic_ns()}", items, actions, ts, top_k=5).catalog_version
+
+    with RecommenderClient(urls[0], admin_key=c.admin_key) as admin:
+        v1 = admin.catalog_add([{"id": "cluster-new-1", "vector": [1.0] + [0.0] * 7}])["version"]
+    deadline = time.monotonic() + 10
+    while min(version_of(u) for u in urls) < v1 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert [version_of(u) for u in urls] == [v1, v1]
+    c.kill_replica(1)
+    with RecommenderClient(urls[0], admin_key=c.admin_key) as admin:
+        v2 = admin.catalog_add([{"id": "cluster-new-2", "vector": [0.0, 1.0] + [0.0] * 6}])["version"]
+    c.restart_replica(1)
+    assert v2 == v1 + 1 and version_of(urls[1]) == v2
+    with RecommenderClient(urls[1], admin_key=c.admin_key) as admin:
+        assert admin.catalog_show(["cluster-new-2"])["items"][0]["live"] is True
+
+
 def test_cluster_command_starts_and_stops(cluster):
     from backend_src.serving.processes import alive
 

@@ -89,13 +89,15 @@ def test_each_stage_loads_only_its_part_and_answers_as_the_checkpoint(tmp_path, 
     repo = tmp_path / "repo"
     pub.publish(checkpoint, repo, export_ranker=False)
     full = GenerativeRecommender.load(checkpoint)
-    enc, dec, rank = (GenerativeRecommender.load(repo / m / "1" / f"{s}.pt") for m, s in pub.STAGES.items())
-    for stage, model in (("encoder", enc), ("decoder", dec), ("ranker", rank)):
+    enc, dec, rank, cat = (GenerativeRecommender.load(repo / m / "1" / f"{s}.pt") for m, s in pub.STAGES.items())
+    for stage, model in (("encoder", enc), ("decoder", dec), ("ranker", rank), ("catalog", cat)):
         assert model.stage == stage and model.parts == STAGE_PARTS[stage]
-    assert enc.decoder is None and enc.ranker is None and enc.codebook is None
-    assert dec.backbone is None and dec.ranker is None and list(dec.item_ids) == [None]
-    assert rank.decoder is None and rank.codebook is None and list(rank.item_ids) == ITEM_IDS
-    assert not any(k.startswith(("decoder.", "codebook.")) for k in enc.state_dict())
+        assert model.codebook is not None and list(model.item_ids) == ITEM_IDS  # each places the catalog's items
+    assert enc.decoder is None and enc.ranker is None
+    assert dec.backbone is None and dec.ranker is None
+    assert rank.decoder is None
+    assert cat.backbone is None and cat.decoder is None and cat.ranker is None
+    assert not any(k.startswith("decoder.") for k in enc.state_dict())
     with pytest.raises(ValueError, match="whole model"):
         enc.save(tmp_path / "x.pt")
 

@@ -37,6 +37,9 @@ def probe_inputs(model: str, client_module):
         ], {"sequence_id": "stub-health-probe", "sequence_start": True, "sequence_end": True}
     if model in (P.DECODER, P.RANKER):
         return None, None  # needs the model's dims: built by the caller from its metadata
+    if model == P.CATALOG:  # an operation that does not exist: refused before anything is read or changed
+        return [tensor(P.CATALOG_OPERATION, np.array([[b"health-probe"]], dtype=object)),
+                tensor(P.CATALOG_REQUEST, np.array([[b"{}"]], dtype=object))], {}
     raise KeyError(model)
 
 

@@ -7,7 +7,8 @@ stubs and their shared memory) and carries tensors of the real sizes, but no mod
 - history_encoder counts each session's events and returns zero states / K / V for that many
   rows (HISTORY_STATES [1, n, D], HISTORY_KEYS/VALUES [1, L, n, H, DH], ...);
 - pfa_decoder reads the states and returns BEAM_WIDTH zero candidates;
-- mfalcon_ranker reads the states, K/V and candidates and returns TOP_K empty recommendations.
+- mfalcon_ranker reads the states, K/V and candidates and returns TOP_K empty recommendations;
+- catalog (not in the ensemble) answers an empty JSON object.
 """
 import json
 
@@ -20,9 +21,9 @@ class TritonPythonModel:
         cfg = json.loads(args["model_config"])
         self.stage = cfg["name"]
         params = {k: v["string_value"] for k, v in cfg.get("parameters", {}).items()}
-        self.max_history = int(params["max_history"])
-        self.beam_width = int(params["beam_width"])
-        self.top_k = int(params["top_k"])
+        self.max_history = int(params.get("max_history", 0))
+        self.beam_width = int(params.get("beam_width", 0))
+        self.top_k = int(params.get("top_k", 0))
         dims = {t["name"]: [int(d) for d in t["dims"]] for t in cfg["input"] + cfg["output"]}
         # the sizes are in the real contract's dims: K/V [L, -1, H, DH], states [-1, D], codes [-1, C]
         self.kv = dims.get("HISTORY_KEYS")
@@ -56,6 +57,7 @@ class TritonPythonModel:
             "EVENT_COUNT": np.array([[count]], np.int64),
             "RESTORED": np.zeros((1, 1), np.bool_),
             "UNKNOWN_ITEMS": np.zeros((1, 1), np.int64),
+            "MIN_CATALOG_VERSION": np.zeros((1, 1), np.int64),
         }
         return out
 
@@ -78,10 +80,15 @@ class TritonPythonModel:
             "RANK_SCORES": np.zeros((1, k), np.float32),
             "RETRIEVAL_LOG_PROBS": np.zeros((1, k), np.float32),
             "SEMANTIC_IDS": np.zeros((1, k, self.c), np.int32),
+            "CATALOG_VERSION": np.zeros((1, 1), np.int64),
         }
 
+    def _catalog(self, request):
+        return {"CATALOG_RESULT": np.array([[b"{}"]], dtype=object), "CATALOG_VERSION": np.zeros((1, 1), np.int64)}
+
     def execute(self, requests):
-        stage = {"history_encoder": self._encoder, "pfa_decoder": self._decoder, "mfalcon_ranker": self._ranker}[self.stage]
+        stage = {"history_encoder": self._encoder, "pfa_decoder": self._decoder, "mfalcon_ranker": self._ranker,
+                 "catalog": self._catalog}[self.stage]
         responses = []
         for r in requests:
             outs = stage(r)
