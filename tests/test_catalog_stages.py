@@ -48,7 +48,7 @@ def stages(repo, tmp_path, monkeypatch):
                               (P.RANKER, RankerStage))}
     yield made
     for stage in made.values():
-        getattr(stage, "close", lambda: None)()
+        stage.close()
 
 
 def catalog(stage, op, key=None, **body):
@@ -101,7 +101,7 @@ def test_added_items_are_served_and_retired_ones_never_again(stages, repo, tmp_p
     ItemCatalog(model, capacity=6).apply(stages[P.CATALOG].store.changes(0))
     stages[P.RANKER].model.cfg.catalog_content_weight = 1.0
     _, _, ids, _ = recommend(stages, 17, [item_id(1), "new-1", "never-added"], TOP_K=12)
-    rows = torch.tensor([model.item_indices([item_id(1), "new-1", "never-added"], strict=False)])
+    rows = torch.from_numpy(model.item_indices([item_id(1), "new-1", "never-added"], strict=False))[None]
     cache = model.encode(rows, torch.ones_like(rows), 1000 + 60 * torch.arange(3)[None], torch.tensor([3]))
     rec = model.recommend(cache, DecodeOptions(mode="full", beam_width=64), top_k=12, history_items=rows)
     assert ids == [model.row_ids()[i] for i in rec.items[0].tolist()]
@@ -122,6 +122,7 @@ def test_added_items_are_served_and_retired_ones_never_again(stages, repo, tmp_p
     # a stage loaded now (a restart, another replica) catches up before it serves
     late = RankerStage(repo / P.RANKER / "1", params(repo, P.RANKER, event_log=tmp_path / "events.sqlite3"))
     assert late.catalog.version == 3 and late.model.item_indices(["new-1"]).tolist() == [NUM_ITEMS + 2]
+    late.close()
 
 
 @pytest.mark.parametrize("op, body, status, message", [

@@ -41,7 +41,7 @@ def quiet(*args, **kwargs):
 
 
 def max_difference(a: dict, b: dict) -> float:
-    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a if a[k].is_floating_point())
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a if a[k].is_floating_point() and a[k].numel())
 
 
 def _rank_main(rank: int, world: int, port: int, out: str):

@@ -74,16 +74,17 @@ class ItemCatalog:
         # (level-0..L-2 codes as one key) -> collision codes held, as a bit set per prefix
         self._held = {}
         self._radix = [int(c) for c in cfg.codebook_sizes]
-        for key, last in zip(self._prefix_keys(self.codes[1 : cfg.num_items + 1]).tolist(),
-                             self.codes[1 : cfg.num_items + 1, -1].tolist()):
+        trained = self.codes[1 : cfg.num_items + 1]
+        for key, last in zip(self._prefix_keys(trained[:, :-1]).tolist(), trained[:, -1].tolist()):
             self._held[key] = self._held.get(key, 0) | (1 << last)
         self._reserve(rows)
 
     # ---- placing -------------------------------------------------------------------------------
-    def _prefix_keys(self, codes: torch.Tensor) -> torch.Tensor:
-        key = torch.zeros(codes.shape[0], dtype=torch.long)
-        for t in range(codes.shape[1] - 1):
-            key = key * self._radix[t] + codes[:, t]
+    def _prefix_keys(self, prefixes: torch.Tensor) -> torch.Tensor:
+        """[..., L - 1] codes before the collision code -> [...] one int each (mixed radix)."""
+        key = torch.zeros(prefixes.shape[:-1], dtype=torch.long)
+        for t in range(prefixes.shape[-1]):
+            key = key * self._radix[t] + prefixes[..., t]
         return key
 
     def _assign_ids(self, embeddings: torch.Tensor) -> torch.Tensor:
@@ -96,10 +97,10 @@ class ItemCatalog:
         options = codebook.quantize(embeddings, alternatives=min(8, width))  # [n, A, L - 1]
         out = torch.empty(embeddings.shape[0], codebook.num_levels, dtype=torch.long)
         last_size = self._radix[-1]
+        keys = self._prefix_keys(options).tolist()
         for i in range(options.shape[0]):  # one item after the other: each takes a code the next cannot
-            for a in range(options.shape[1]):
+            for a, key in enumerate(keys[i]):
                 prefix = options[i, a]
-                key = self._key(prefix)
                 held = self._held.get(key, 0)
                 free = next((c for c in range(last_size) if not held >> c & 1), None)
                 if free is not None:
@@ -111,14 +112,8 @@ class ItemCatalog:
                                   f"prefixes each hold {last_size} items")
         return out
 
-    def _key(self, prefix: torch.Tensor) -> int:
-        key = 0
-        for t, c in enumerate(prefix.tolist()):
-            key = key * self._radix[t] + c
-        return key
-
     def _release(self, codes: torch.Tensor) -> None:
-        key = self._key(codes[:-1])
+        key = int(self._prefix_keys(codes[:-1]))
         self._held[key] = self._held.get(key, 0) & ~(1 << int(codes[-1]))
 
     # ---- applying changes ---------------------------------------------------------------------

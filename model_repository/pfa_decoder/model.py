@@ -23,3 +23,6 @@ class TritonPythonModel:
 
     def execute(self, requests):
         return self.stub.triton_responses(self.stage.handle(self.stub.plain_requests(requests)), pb_utils)
+
+    def finalize(self):
+        self.stage.close()

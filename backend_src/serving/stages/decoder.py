@@ -103,3 +103,6 @@ class DecoderStage:
                     P.CANDIDATE_CODES.name: codes[b : b + 1],
                 })
         return responses
+
+    def close(self) -> None:
+        self.catalog.close()

@@ -206,3 +206,6 @@ class RankerStage:
         for b, (i, r) in enumerate(batch):
             responses[i] = self._answer(r, b, items, scores, log_probs, codes)
         return responses
+
+    def close(self) -> None:
+        self.catalog.close()
