@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
+import tempfile
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -142,7 +144,7 @@ def until_version(urls: list, version: int, history, stamps, timeout_s: float = 
     every item of that version is in every table of its stages: it can be generated and returned)."""
     t0, out = time.perf_counter(), []
     for url in urls:
-        with RecommenderClient(url) as c:
+        with RecommenderClient(url, timeout_s=timeout_s) as c:
             while time.perf_counter() - t0 < timeout_s:
                 rec = c.recommend_history(f"visible-{uuid.uuid4().hex[:8]}", history, None, stamps, top_k=TOP_K)
                 if rec.catalog_version >= version:
@@ -158,10 +160,11 @@ def cluster_visibility(checkpoint, items: list, histories, stamps, work, adds: i
     from backend_src.serving.cluster import LocalCluster
     from export.publish import publish
 
-    repo = work / "catalog-cluster" / "model_repository"
+    tmp = Path(tempfile.mkdtemp(prefix="genrec-catalog-cluster-", dir=work))
+    repo = tmp / "model_repository"
     publish(checkpoint, repo, ServingOptions(), export_ranker=False)
     seconds = []
-    with LocalCluster(repo, replicas=2, workdir=work / "catalog-cluster") as cluster:
+    with LocalCluster(repo, replicas=2, workdir=tmp / "run") as cluster:
         urls = cluster.replica_urls
         for j in range(adds):
             version, _ = add_items(urls[0], items[j : j + 1], cluster.admin_key)
@@ -171,6 +174,7 @@ def cluster_visibility(checkpoint, items: list, histories, stamps, work, adds: i
         cluster.restart_replica(1)
         with RecommenderClient(urls[1]) as c:
             rec = c.recommend_history(f"restarted-{uuid.uuid4().hex[:8]}", histories[0], None, stamps[0], top_k=TOP_K)
+    shutil.rmtree(tmp, ignore_errors=True)
     return {"add_visible_s_p50": float(np.median(seconds)), "add_visible_s_max": float(np.max(seconds)),
             "add_visible_adds": adds, "replica_down_during_add_serves_it": rec.catalog_version >= version}
 
@@ -326,26 +330,36 @@ def main(argv=None) -> int:
         with local_server(a.ceiling, options, workdir=work) as server:
             ranked, _, _ = serve_lists(server.grpc_url, histories, actions, stamps, index, a.concurrency)
         rows += split_rows(data.name, "trained_with", ranked, targets, cold)
-    if a.cluster:
-        out.update(cluster_visibility(a.checkpoint, items, histories, stamps, work))
-    if a.many:
-        out.update(latency_with_many(a.checkpoint, options, work, histories, actions, stamps, a.many, a.latency_requests,
-                                     model.codebook.get_buffer("center_0").shape[1]))
     for r in rows:
         print(f"{r['dataset']:>18} {r['split']:>4} {r['method']:>13} R@10={r['recall10']:.4f} N@10={r['ndcg10']:.4f} "
               f"users={r['users']}")
-    print({k: v for k, v in out.items()})
     path = Path(REPO_ROOT) / (a.results or "perf/results/catalog.json")
-    run = dict(checkpoint=a.checkpoint, ceiling=a.ceiling, hold_out=a.hold_out, seed=a.seed, held_out_items=len(held), **out)
-    if a.add_to and path.exists():  # another data set's rows beside those already there; its run's numbers under runs
-        blob = json.loads(path.read_text())
-        kept = [r for r in blob.pop("rows") if r["dataset"] != data.name]
-        runs = {**blob.pop("runs", {}), data.name: {"command": command_line(), **run}}
-        write_result(path, kept + rows, command=blob.pop("command"), **{k: v for k, v in blob.items()
-                                                                       if k not in ("date", "machine", "commit")}, runs=runs)
-    else:
-        write_result(path, rows, **run)
+    base = json.loads(path.read_text()) if a.add_to and path.exists() else None
+    save = lambda: save_results(path, base, data.name, rows, dict(  # noqa: E731 - after each part: a late failure keeps the rest
+        checkpoint=a.checkpoint, ceiling=a.ceiling, hold_out=a.hold_out, seed=a.seed, held_out_items=len(held), **out))
+    save()
+    if a.cluster:
+        out.update(cluster_visibility(a.checkpoint, items, histories, stamps, work))
+        save()
+    if a.many:
+        out.update(latency_with_many(a.checkpoint, options, work, histories, actions, stamps, a.many, a.latency_requests,
+                                     model.codebook.get_buffer("center_0").shape[1]))
+        save()
+    print(out)
     return 0
+
+
+def save_results(path: Path, base: dict | None, dataset: str, rows: list, run: dict) -> None:
+    """The run's rows and numbers; with `base` (--add-to: the file as it was), its rows beside the other data
+    sets' there and its numbers under runs[dataset]."""
+    if base is None:
+        write_result(path, rows, **run)
+        return
+    blob = dict(base)
+    kept = [r for r in blob.pop("rows") if r["dataset"] != dataset]
+    runs = {**blob.pop("runs", {}), dataset: {"command": command_line(), **run}}
+    write_result(path, kept + rows, command=blob.pop("command"),
+                 **{k: v for k, v in blob.items() if k not in ("date", "machine", "commit")}, runs=runs)
 
 
 def latency_with_many(checkpoint, options, work, histories, actions, stamps, many: int, requests: int, dim: int) -> dict:
@@ -358,7 +372,9 @@ def latency_with_many(checkpoint, options, work, histories, actions, stamps, man
         t0 = time.perf_counter()
         _, seconds = add_items(grown.grpc_url, items)
         out = {"add_10k_s_p50": float(np.median(seconds)), "added_items": many, "add_many_s": time.perf_counter() - t0}
-        time.sleep(2 * options.catalog_poll_s)
+        with RecommenderClient(grown.grpc_url, timeout_s=600.0) as c:  # every stage has applied them (their cost
+            version = c.catalog_list(limit=1)["version"]                  # is paid once, between requests)
+        out["apply_many_s"] = until_version([grown.grpc_url], version, histories[0], stamps[0], timeout_s=600.0)[0]
         lat = {0: [], many: []}
         tag = uuid.uuid4().hex[:8]
         with RecommenderClient(plain.grpc_url) as a, RecommenderClient(grown.grpc_url) as b:

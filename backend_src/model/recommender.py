@@ -385,6 +385,22 @@ class GenerativeRecommender(nn.Module):
         content = self.codebook.content[candidates.clamp_max(self.codebook.content.shape[0] - 1)]
         return ((content * profile[:, None, :]).sum(-1) * added).float()
 
+    def with_added_candidates(self, history_items, items, log_probs, codes) -> tuple:
+        """The fused order's candidates items/log_probs [B, W] and codes [B, W, C] with the catalog's
+        `cfg.catalog_candidates` added items nearest in content appended (append_candidates), and
+        the candidates' content scores [B, W'] (None where nothing was added or no content was kept)."""
+        if not self.has_added_items:
+            return items, log_probs, codes, None
+        if history_items is None:
+            raise ValueError("the catalog's added items need history_items")
+        profile = self.content_profile(history_items)
+        if profile is None:
+            return items, log_probs, codes, None
+        if self.cfg.catalog_candidates:
+            extra = self.added_candidates(profile, history_items, self.cfg.catalog_candidates)
+            items, log_probs, codes = append_candidates(items, log_probs, codes, extra, self.codebook.codes[extra].to(codes.dtype))
+        return items, log_probs, codes, self.catalog_content_scores(profile, items)
+
     def rank(self, cache: HistoryCache, candidates: torch.Tensor, microbatch_size: int = RANKER_MICROBATCH) -> torch.Tensor:
         return self.ranker.score(cache, candidates, microbatch_size)
 
@@ -404,16 +420,10 @@ class GenerativeRecommender(nn.Module):
         "ranker": the M-FALCON logit; "fused": retrieval log-probability + w * logit + v * dense
         log-softmax + u * co-visitation score, (w, v, u) = cfg.fusion_weights(exclude_seen))."""
         beams = self.retrieve(cache, options)
-        cands, cand_lp, cand_codes = beams.item_ids, beams.log_probs, beams.codes
+        cands, cand_lp, cand_codes, content = beams.item_ids, beams.log_probs, beams.codes, None
         fused = rank_by == "fused"
-        profile = content = None
-        if fused and self.has_added_items:  # the catalog's added items nearest in content join the candidates
-            if history_items is None:
-                raise ValueError("the catalog's added items need history_items")
-            profile = self.content_profile(history_items)
-            if profile is not None and self.cfg.catalog_candidates:
-                extra = self.added_candidates(profile, history_items, self.cfg.catalog_candidates)
-                cands, cand_lp, cand_codes = append_candidates(cands, cand_lp, cand_codes, extra, self.codebook.codes[extra])
+        if fused:  # the catalog's added items nearest in content join the candidates
+            cands, cand_lp, cand_codes, content = self.with_added_candidates(history_items, cands, cand_lp, cand_codes)
         rank_scores = self.rank(cache, cands, microbatch_size)  # [B, W]; -inf for empty beams
         w, v, u = self.cfg.fusion_weights(exclude_seen)
         dense = self.dense_log_probs(cache.last_states(), cands) if v else None
@@ -422,8 +432,6 @@ class GenerativeRecommender(nn.Module):
             if history_items is None:
                 raise ValueError("the co-visitation expert needs history_items")
             covisit = self.covisit_scores(history_items, cands)
-        if profile is not None:
-            content = self.catalog_content_scores(profile, cands)
         items, scores, log_probs, top = served_order(
             rank_scores, cand_lp, cands, history_items, fusion_weight=w, dense_log_probs=dense,
             dense_weight=v, covisit_scores=covisit, covisit_weight=u, content_scores=content,

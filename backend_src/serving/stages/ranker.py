@@ -18,7 +18,7 @@ from typing import Mapping, NamedTuple
 import numpy as np
 import torch
 
-from backend_src.model.recommender import RANK_ORDERS, GenerativeRecommender, append_candidates, served_order
+from backend_src.model.recommender import RANK_ORDERS, GenerativeRecommender, served_order
 from backend_src.serving import validation as V
 from backend_src.serving.stages.catalog_sync import CatalogSync
 from backend_src.serving.ranker_runtime import RankerRuntime
@@ -133,28 +133,23 @@ class RankerStage:
         cands = cands.masked_fill(~self.model.item_live[cands], 0)  # a row that is no item (now) is an empty slot
         log_probs = pad([torch.from_numpy(r.log_probs).float() for r in reqs], float("-inf"))
         codes = pad([torch.from_numpy(r.codes) for r in reqs], -1)  # [B, M, C]
-        fused = self.rank_by == "fused"
-        history = profile = content = None
-        if any(r.exclude_seen for r in reqs) or fused:
-            history = pad([torch.from_numpy(r.history_items) for r in reqs])  # [B, n], 0 = padding
-        if fused and self.model.has_added_items:  # the catalog's added items nearest in content join the candidates
-            profile = self.model.content_profile(history)
-            if profile is not None and self.model.cfg.catalog_candidates:
-                extra = self.model.added_candidates(profile, history, self.model.cfg.catalog_candidates)
-                cands, log_probs, codes = append_candidates(cands, log_probs, codes, extra,
-                                                            self.model.codebook.codes[extra].to(codes.dtype))
-            content = None if profile is None else self.model.catalog_content_scores(profile, cands)
-        scores = self._scores(reqs, cands)
         # each request takes the fusion weights chosen on validation under its seen-item policy:
         # numbers when the batch shares one policy, else [B, 1] columns
         flags = [r.exclude_seen for r in reqs]
         per_request = [self.model.cfg.fusion_weights(f) for f in flags]  # (w, v, u) each
+        fused = self.rank_by == "fused"
+        use_covisit = fused and any(u for _, _, u in per_request)
+        history = content = None
+        if any(flags) or use_covisit or (fused and self.model.has_added_items):
+            history = pad([torch.from_numpy(r.history_items) for r in reqs])  # [B, n], 0 = padding
+        if fused:  # the catalog's added items nearest in content join the candidates
+            cands, log_probs, codes, content = self.model.with_added_candidates(history, cands, log_probs, codes)
+        scores = self._scores(reqs, cands)
         if len(set(flags)) == 1:
             exclude, (weight, dense_weight, covisit_weight) = flags[0], per_request[0]
         else:
             exclude = torch.tensor(flags)  # [B]
             weight, dense_weight, covisit_weight = (torch.tensor(column)[:, None] for column in zip(*per_request))
-        use_covisit = fused and any(u for _, _, u in per_request)
         dense = covisit = None
         if fused and any(v for _, v, _ in per_request):
             user_states = torch.from_numpy(np.stack([r.user_state for r in reqs])).to(self.device)
