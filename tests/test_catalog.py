@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from backend_src.config import DecodeOptions, ModelConfig
-from backend_src.model.catalog import CatalogFull, ItemCatalog
+from backend_src.model.catalog import ItemCatalog
 from backend_src.model.recommender import STAGE_PARTS, GenerativeRecommender
 from backend_src.model.semantic_ids import SemanticIdCodebook
 from backend_src.serving.catalog_store import CatalogChange, CatalogEntry
@@ -142,13 +142,29 @@ def test_every_stage_places_items_alike_and_capacity_is_a_clear_error(checkpoint
         assert model.item_indices(["n5"]).tolist() == [NUM_ITEMS + 2 + 5]
     for codes, live, rows in placed[1:]:
         assert torch.equal(codes, placed[0][0]) and torch.equal(live, placed[0][1]) and rows == placed[0][2]
+    # replay never stops at an item it cannot place (here: no row left): every stage leaves the same ones out
     model = GenerativeRecommender.load(tmp / "decoder.pt")
     catalog = ItemCatalog(model, capacity=2)
-    with pytest.raises(CatalogFull, match="2 of the 2 rows reserved are free"):
-        catalog.apply(changes[:1])
-    assert catalog.version == 0 and catalog.rows_in_use == NUM_ITEMS + 2
+    assert catalog.apply(changes[:1]) == 1 and catalog.ids == ["n0", "n1"]
+    assert sorted(catalog.unplaced) == ["n2", "n3", "n4", "n5"] and catalog.rows_in_use == NUM_ITEMS + 4
+    assert catalog.unplaceable(np.stack([_near(content, 1, 7)])) == []  # an ID is free; a row is not (the caller's check)
     with pytest.raises(ValueError, match="missing"):
         catalog.apply(changes[2:])
+
+
+def test_an_item_with_no_free_semantic_id_near_its_content_is_left_out_alike_everywhere(checkpoint):
+    """Items whose nearest prefixes are all full are not placed (the catalog model refuses them before it commits:
+    unplaceable), and replaying such a change still reaches its version."""
+    tmp, content = checkpoint
+    crowd = tuple(CatalogItem(f"c{j}", _near(content, 3, j), f"h{j}") for j in range(200))
+    model = GenerativeRecommender.load(tmp / "model.pt")
+    catalog = ItemCatalog(model, capacity=300)
+    dry = catalog.unplaceable(np.stack([np.asarray(i.embedding) for i in crowd]))
+    assert dry and catalog.version == 0 and not catalog.ids  # the dry run changes nothing
+    assert catalog.apply([Change(1, adds=crowd)]) == 1
+    assert sorted(catalog.unplaced) == sorted(f"c{j}" for j in dry) and len(catalog.ids) == 200 - len(dry)
+    placed = catalog.codes[catalog.first_row : catalog.rows_in_use]
+    assert len(torch.unique(torch.cat([catalog.codes[1 : NUM_ITEMS + 1], placed]), dim=0)) == NUM_ITEMS + len(placed)
 
 
 def test_added_items_nearest_in_content_join_the_candidates(checkpoint):

@@ -36,11 +36,8 @@ import torch.nn.functional as F
 from torch import nn
 
 DEFAULT_CAPACITY = 100_000  # rows reserved at load for added items
+ALTERNATIVES = 32  # the last level's nearest centers tried for a free collision code
 TEXT_ENCODER_SOURCE = "text-encoder"
-
-
-class CatalogFull(RuntimeError):
-    """No row left for an added item (the capacity reserved at load), or no free semantic ID."""
 
 
 class ItemCatalog:
@@ -70,6 +67,7 @@ class ItemCatalog:
         self.ids: list = []  # raw id of added row first_row + j
         self.hashes: list = []
         self.row_of: dict = {}  # raw id -> row of an added item
+        self.unplaced: dict = {}  # raw id -> the change that added it, where it could not be placed
         self.trained_index = dict(model._index)  # raw id -> row of a trained item
         # (level-0..L-2 codes as one key) -> collision codes held, as a bit set per prefix
         self._held = {}
@@ -87,30 +85,35 @@ class ItemCatalog:
             key = key * self._radix[t] + prefixes[..., t]
         return key
 
-    def _assign_ids(self, embeddings: torch.Tensor) -> torch.Tensor:
-        """Content embeddings [n, E] -> semantic IDs [n, L], each unique among every ID given."""
+    def _assign_ids(self, embeddings: torch.Tensor, held: dict) -> torch.Tensor:
+        """Content embeddings [n, E] -> semantic IDs [n, L], each unique among every ID `held` (prefix
+        key -> collision codes taken, updated); a row of -1 where an item's nearest prefixes have no
+        collision code free."""
         codebook = self.model.codebook
         if not codebook.has_quantizer:
             raise ValueError("this model version kept no quantizer (its semantic IDs were not fit by residual k-means, "
                              "or it was trained before the catalog existed): retrain it to add items")
-        width = self._radix[-2]
-        options = codebook.quantize(embeddings, alternatives=min(8, width))  # [n, A, L - 1]
-        out = torch.empty(embeddings.shape[0], codebook.num_levels, dtype=torch.long)
+        options = codebook.quantize(embeddings, alternatives=min(ALTERNATIVES, self._radix[-2]))  # [n, A, L - 1]
+        out = torch.full((embeddings.shape[0], codebook.num_levels), -1, dtype=torch.long)
         last_size = self._radix[-1]
         keys = self._prefix_keys(options).tolist()
         for i in range(options.shape[0]):  # one item after the other: each takes a code the next cannot
             for a, key in enumerate(keys[i]):
-                prefix = options[i, a]
-                held = self._held.get(key, 0)
-                free = next((c for c in range(last_size) if not held >> c & 1), None)
+                taken = held.get(key, 0)
+                free = next((c for c in range(last_size) if not taken >> c & 1), None)
                 if free is not None:
-                    self._held[key] = held | (1 << free)
-                    out[i, :-1], out[i, -1] = prefix, free
+                    held[key] = taken | (1 << free)
+                    out[i, :-1], out[i, -1] = options[i, a], free
                     break
-            else:
-                raise CatalogFull(f"no free semantic ID near item {i}'s content: its {options.shape[1]} nearest "
-                                  f"prefixes each hold {last_size} items")
         return out
+
+    def unplaceable(self, embeddings: np.ndarray) -> list:
+        """Which of these new items' content embeddings [n, E] would get no semantic ID now (a dry run:
+        the catalog model refuses an add with such items before it commits it)."""
+        if not len(embeddings):
+            return []
+        codes = self._assign_ids(torch.from_numpy(np.asarray(embeddings, np.float32)), dict(self._held))
+        return torch.nonzero(codes[:, 0] < 0).squeeze(1).tolist()
 
     def _release(self, codes: torch.Tensor) -> None:
         key = int(self._prefix_keys(codes[:-1]))
@@ -121,8 +124,7 @@ class ItemCatalog:
         """Replay `changes` (consecutive versions after `version`: the catalog store's CatalogChange,
         or anything with its version, adds and retires; an add has item_id, embedding, the content
         embedding in the space the IDs were fit in, and content_hash) onto the model; returns the
-        new version. Raises CatalogFull (nothing applied of the change that would overflow, the ones
-        before it applied) and ValueError for a gap in the versions."""
+        new version. ValueError for a gap in the versions."""
         start = self.version
         try:
             for change in changes:
@@ -138,7 +140,6 @@ class ItemCatalog:
         return self.version
 
     def _apply_one(self, change) -> None:
-        """One change, whole or not at all."""
         fresh, relisted, replaced = [], [], []
         for item in change.adds:
             row = self.trained_index.get(item.item_id)  # trained in this version: its own row, ID and vector win
@@ -149,35 +150,37 @@ class ItemCatalog:
                 replaced.append((row, item))
             else:
                 relisted.append(row)
-        if len(self.ids) + len(fresh) > self.capacity:
-            raise CatalogFull(f"catalog change {change.version} adds {len(fresh)} items; "
-                              f"{self.capacity - len(self.ids)} of the {self.capacity} rows reserved are free")
-        held = dict(self._held)
-        try:  # new content: a new ID and vector, the old ID free again
-            for row, _ in replaced:
-                self._release(self.codes[row])
-            embeddings = [np.asarray(item.embedding, np.float32) for _, item in replaced] + \
-                         [np.asarray(item.embedding, np.float32) for item in fresh]
-            codes = self._assign_ids(torch.from_numpy(np.stack(embeddings))) if embeddings else None
-        except Exception:
-            self._held = held
-            raise
+        # replay never fails (every stage must reach the same state): an item that cannot be placed (no free
+        # semantic ID near its content, or no row left) is left out, and said so, by every stage alike
+        for row, _ in replaced:
+            self._release(self.codes[row])
+        embeddings = [np.asarray(item.embedding, np.float32) for _, item in replaced] + \
+                     [np.asarray(item.embedding, np.float32) for item in fresh]
+        codes = self._assign_ids(torch.from_numpy(np.stack(embeddings)), self._held) if embeddings else None
         self.live[relisted] = True
         for j, (row, item) in enumerate(replaced):
+            if codes[j, 0] < 0:  # its new content finds no free ID: it keeps the one it had
+                self._held[self._prefix_keys(self.codes[row, :-1]).item()] |= 1 << int(self.codes[row, -1])
+                self.unplaced[item.item_id] = change.version
+                continue
             self.codes[row] = codes[j]
             self.hashes[row - self.first_row] = item.content_hash
             self.live[row] = True
             self._embeddings[row] = np.asarray(item.embedding, np.float32)
-        if fresh:
-            codes = codes[len(replaced):]
-            rows = torch.arange(len(fresh)) + self.first_row + len(self.ids)
-            self.codes[rows] = codes
-            self.live[rows] = True
-            for item, row in zip(fresh, rows.tolist()):
-                self.row_of[item.item_id] = row
-                self.ids.append(item.item_id)
-                self.hashes.append(item.content_hash)
-                self._embeddings[row] = np.asarray(item.embedding, np.float32)
+        for item, item_codes in zip(fresh, codes[len(replaced):] if fresh else ()):
+            if item_codes[0] < 0 or len(self.ids) >= self.capacity:
+                if item_codes[0] >= 0:  # placed but no row: its ID is free again
+                    self._release(item_codes)
+                self.unplaced[item.item_id] = change.version
+                continue
+            row = self.first_row + len(self.ids)
+            self.codes[row] = item_codes
+            self.live[row] = True
+            self.row_of[item.item_id] = row
+            self.ids.append(item.item_id)
+            self.hashes.append(item.content_hash)
+            self._embeddings[row] = np.asarray(item.embedding, np.float32)
+            self.unplaced.pop(item.item_id, None)
         for raw in change.retires:
             row = self.trained_index.get(raw, self.row_of.get(raw))
             if row is not None:

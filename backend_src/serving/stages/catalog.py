@@ -134,6 +134,11 @@ class CatalogStage:
         contents = [self._content(item) for item in items]
         # a trained item listed again keeps its own ID and vector: its content is not embedded
         embeddings = self._embed([None if i in catalog.trained_index else c for i, c in zip(ids, contents)])
+        new = [j for j, i in enumerate(ids) if not self._known(i)]
+        crowded = [ids[new[j]] for j in catalog.unplaceable(embeddings[new])]  # what no stage could place: refused now
+        if crowded:
+            raise V.RequestError(f"catalog add: {len(crowded)} items ({', '.join(map(P.preview, crowded[:5]))}) find no free "
+                                 "semantic ID near their content: the nearest prefixes are full", P.RESOURCE_EXHAUSTED)
         entries = [CatalogEntry(i, c, e) for i, c, e in zip(ids, contents, embeddings)]
         version = self.store.commit(entries, [], replace=replace)
         self.sync.sync(at_least=version)
@@ -165,6 +170,8 @@ class CatalogStage:
         for i in ids:
             row = catalog.row_of.get(i, catalog.trained_index.get(i))
             entry = dict(found.get(i) or {"item_id": i, "status": "trained" if i in catalog.trained_index else "unknown"})
+            if i in catalog.unplaced:  # committed, but no stage could place it (another replica's add took its place)
+                entry["placed"] = False
             if row is not None:
                 entry["semantic_id"] = catalog.codes[row].tolist()
                 entry["live"] = bool(catalog.live[row])
