@@ -105,7 +105,7 @@ def content_only(data, held, histories_idx, lengths) -> torch.Tensor:
     from backend_src.model.text_encoder import sentence_embeddings
 
     texts = [(data.item_text or {}).get(i, "") or "" for i in range(1, data.num_items + 1)]
-    emb = F.normalize(torch.cat([torch.zeros(1, 384), sentence_embeddings(texts)]), dim=-1)  # row = item index
+    emb = F.pad(F.normalize(sentence_embeddings(texts), dim=-1), (0, 0, 1, 0))  # row = item index (0: none)
     last = [h[max(0, n - 3):n] for h, n in zip(histories_idx, lengths)]
     profile = F.normalize(torch.stack([emb[torch.as_tensor(x)].mean(0) for x in last]), dim=-1)
     held_t = torch.as_tensor(held)
@@ -198,10 +198,10 @@ def offline_lists(model, data, split: str, index: dict, users: np.ndarray) -> tu
 
 def add_offline(model, data, held) -> ItemCatalog:
     """The held-out items added to `model` in this process as the catalog model adds them (their text)."""
-    from backend_src.model.catalog import catalog_embeddings
+    from backend_src.model.text_encoder import sentence_embeddings
 
     texts = [(data.item_text or {}).get(int(i), "") for i in held]
-    emb = catalog_embeddings(model.cfg, texts=texts).numpy()
+    emb = F.normalize(sentence_embeddings(texts), dim=-1).numpy()  # as the catalog model embeds them
     catalog = ItemCatalog(model, capacity=len(held))
     entries = tuple(CatalogEntry(str(data.item_ids[i]), {"text": t}, e) for i, t, e in zip(held, texts, emb))
     catalog.apply([CatalogChange(1, entries, (), 0.0)])

@@ -32,7 +32,6 @@ from typing import Sequence
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 DEFAULT_CAPACITY = 100_000  # rows reserved at load for added items
@@ -279,17 +278,3 @@ class ItemCatalog:
         """How many level-`level` prefixes the trained codebook has (level L: its items' final prefixes)."""
         L = len(self._trained_children)
         return self._trained_children[level].shape[0] if level < L else int(self._trained_prefixes[:, L].max()) + 1
-
-
-def catalog_embeddings(cfg, texts: Sequence[str] | None = None, vectors: Sequence | None = None) -> torch.Tensor:
-    """Content -> the embeddings the version's quantizer reads: item texts through the text encoder
-    where its semantic IDs were fit on it (unit norm, as build_item_embeddings), or vectors given
-    in that space."""
-    if vectors is not None:
-        return torch.as_tensor(np.asarray(vectors, dtype=np.float32))
-    if cfg.semantic_id_source != TEXT_ENCODER_SOURCE:
-        raise ValueError(f"this version's semantic IDs were fit on {cfg.semantic_id_source or 'unrecorded'} embeddings, "
-                         "not on item text: give each item's vector in that space")
-    from backend_src.model.text_encoder import sentence_embeddings
-
-    return F.normalize(sentence_embeddings(list(texts)), dim=-1)
