@@ -1,5 +1,6 @@
 """Semantic IDs: residual k-means, collision codes, embeddings and the valid-prefix codebook."""
 import io
+import sys
 from types import SimpleNamespace
 
 import numpy as np
@@ -158,6 +159,11 @@ def test_text_encoder_embeddings_follow_meaning_not_words():
     data = SimpleNamespace(**{**vars(_toy_sequences()), "num_items": 5, "item_text": dict(enumerate(texts, 1))})
     emb = build_item_embeddings(data, sources="text-encoder")
     assert emb.shape == (5, 384) and torch.allclose(emb, e, atol=1e-2)
+    # the catalog model runs the encoder in a process of its own (the same embeddings)
+    from backend_src.model.text_encoder import embed_in_subprocess
+    from backend_src.results import REPO_ROOT
+
+    assert torch.allclose(embed_in_subprocess(texts[:2], sys.executable, REPO_ROOT), e[:2], atol=1e-5)
 
 
 def _toy_sequences():
