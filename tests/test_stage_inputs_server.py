@@ -128,10 +128,11 @@ def test_ranker_refuses_bad_inputs(served):
     CI, LP, CC = P.CANDIDATE_ITEMS, P.CANDIDATE_LOG_PROBS, P.CANDIDATE_CODES
     longer = ranker_request(client, decode(client, _states(cfg)), cfg, n=MAX_HISTORY + 1)
     cases = [
-        # item indices: negative, past the catalogue, INT64_MAX (was an ONNX Runtime INTERNAL error)
+        # item indices: negative, past the item table (the trained items, the unknown item, the rows reserved for
+        # the catalog: a row that is no item is an empty slot), INT64_MAX (was an ONNX Runtime INTERNAL error)
         ({CI: changed(good[CI], (0, 0), -1)}, CI, "out of range"),
         ({CI: changed(good[CI], (0, 1), -100000)}, CI, "out of range"),
-        ({CI: changed(good[CI], (0, 2), NUM_ITEMS + 1)}, CI, "out of range"),
+        ({CI: changed(good[CI], (0, 2), NUM_ITEMS + 2 + ServingOptions().catalog_capacity)}, CI, "out of range"),
         ({CI: changed(good[CI], (0, 0), INT64_MAX)}, CI, "out of range"),
         ({HI: changed(good[HI], (0, 0), -1)}, HI, "out of range"),
         ({HI: changed(good[HI], (0, 3), INT64_MAX)}, HI, "out of range"),

@@ -175,6 +175,7 @@ class GenerativeRecommender(nn.Module):
             item_ids = [None]
         self.item_ids = np.asarray(item_ids, dtype=object)  # raw id of each item index; [0] = None
         self._index = {str(raw): i for i, raw in enumerate(self.item_ids) if i > 0}
+        self._row_ids = None  # row_ids(), built on first use
         # the rows of the item table that are items: not the padding row, not the unknown item's
         live = torch.zeros(cfg.num_items + 2, dtype=torch.bool)
         live[1 : cfg.num_items + 1] = True
@@ -302,7 +303,7 @@ class GenerativeRecommender(nn.Module):
 
     def row_ids(self) -> np.ndarray:
         """The raw id of every row of the item table (None where a row is no item)."""
-        if getattr(self, "_row_ids", None) is None or len(self._row_ids) != self.item_rows:
+        if self._row_ids is None or len(self._row_ids) != self.item_rows:
             out = np.full(self.item_rows, None, dtype=object)
             for raw, row in self._index.items():
                 out[row] = raw
