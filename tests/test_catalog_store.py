@@ -12,7 +12,6 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import numpy as np
@@ -23,48 +22,27 @@ from backend_src.serving.catalog_store import (
 )
 from backend_src.serving.event_log import EventLogDamaged, EventLogUnavailable, open_event_log
 from backend_src.serving.redis_server import RedisServer, redis_server_binary
+import store_helpers
+from store_helpers import BACKENDS, NO_REDIS, backend_url, opener, redis_server_fixture
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-NO_REDIS = "redis-server binary not found on PATH (apt-get install redis-server)"
 
 
-@pytest.fixture(scope="module")
-def redis_server(tmp_path_factory):
-    if redis_server_binary() is None:
-        pytest.skip(NO_REDIS)
-    with RedisServer(tmp_path_factory.mktemp("redis")) as server:
-        yield server
+redis_server = pytest.fixture(scope="module")(redis_server_fixture)
 
 
-@pytest.fixture(params=["sqlite", "memory", "redis"])
+@pytest.fixture(params=BACKENDS)
 def store_url(request, tmp_path):
-    if request.param == "sqlite":
-        return f"sqlite://{tmp_path}/store/events.db"
-    if request.param == "memory":
-        return "memory:"
-    if redis_server_binary() is None:
-        pytest.skip(NO_REDIS)
-    server = request.getfixturevalue("redis_server")
-    return f"{server.url}?prefix=test-{uuid.uuid4().hex[:8]}:"  # a fresh key space per test
+    return backend_url(request, tmp_path, "store")
 
 
 def durable_only(url: str) -> None:
-    if url == "memory:":
-        pytest.skip("the memory store lives in one object: not shared between processes or openings")
+    store_helpers.durable_only(url, "store")
 
 
 @pytest.fixture
 def open_store(store_url):
-    opened = []
-
-    def _open(**options):
-        store = open_catalog_store(store_url, **options)
-        opened.append(store)
-        return store
-
-    yield _open
-    for store in opened:
-        store.close()
+    yield from opener(lambda **options: open_catalog_store(store_url, **options))
 
 
 def entry(item_id, text=None, d=8, seed=0.0):

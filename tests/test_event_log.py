@@ -23,55 +23,30 @@ from backend_src.serving.event_log import (
     open_event_log,
 )
 from backend_src.serving.redis_server import RedisServer, redis_server_binary
+import store_helpers
+from store_helpers import BACKENDS, NO_REDIS, backend_url, opener, redis_or_skip, redis_server_fixture
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-NO_REDIS = "redis-server binary not found on PATH (apt-get install redis-server)"
 
 # user keys that trip naive key schemes: hash-tag braces, an escaped brace, unicode, long
 ODD_USERS = ["i:123", "s:user-abc", "a}", "a%7D", "{x}", "ü" * 140, "with space\nand newline"]
 
 
-def _redis_or_skip(request) -> RedisServer:
-    if redis_server_binary() is None:
-        pytest.skip(NO_REDIS)
-    return request.getfixturevalue("redis_server")
+redis_server = pytest.fixture(scope="module")(redis_server_fixture)
 
 
-@pytest.fixture(scope="module")
-def redis_server(tmp_path_factory):
-    if redis_server_binary() is None:
-        pytest.skip(NO_REDIS)
-    with RedisServer(tmp_path_factory.mktemp("redis")) as server:
-        yield server
-
-
-@pytest.fixture(params=["sqlite", "redis", "memory"])
+@pytest.fixture(params=BACKENDS)
 def log_url(request, tmp_path):
-    if request.param == "sqlite":
-        return f"sqlite://{tmp_path}/logs/events.db"
-    if request.param == "memory":
-        return "memory:"
-    server = _redis_or_skip(request)
-    return f"{server.url}?prefix=test-{uuid.uuid4().hex[:8]}:"  # a fresh key space per test
+    return backend_url(request, tmp_path, "logs")
 
 
 def durable_only(log_url: str) -> None:
-    if log_url == "memory:":
-        pytest.skip("the memory log lives in one object: not shared between processes or openings")
+    store_helpers.durable_only(log_url, "log")
 
 
 @pytest.fixture
 def open_log(log_url):
-    opened = []
-
-    def _open(**options):
-        log = open_event_log(log_url, **options)
-        opened.append(log)
-        return log
-
-    yield _open
-    for log in opened:
-        log.close()
+    yield from opener(lambda **options: open_event_log(log_url, **options))
 
 
 def _run_python(code: str, *args) -> subprocess.Popen:
@@ -311,7 +286,7 @@ def test_redis_keys_carry_ttl_and_expire(request):
 
     from backend_src.serving.resp import RespConnection
 
-    server = _redis_or_skip(request)
+    server = redis_or_skip(request)
     prefix = f"ttl-{uuid.uuid4().hex[:8]}:"
     log = open_event_log(f"{server.url}?prefix={prefix}", ttl_s=0.5)
     client = RespConnection("127.0.0.1", urlsplit(server.url).port)

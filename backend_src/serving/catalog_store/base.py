@@ -11,8 +11,10 @@ from typing import Optional
 
 import numpy as np
 
+from genrec_contract import protocol as P
+
 LIVE, RETIRED = "live", "retired"
-MAX_ID_BYTES = 256
+MAX_ID_BYTES = P.MAX_ITEM_ID_BYTES  # the contract's: an event's item id is a catalog id
 MAX_CONTENT_BYTES = 1 << 20
 DEFAULT_MAX_ITEMS = 10_000
 
