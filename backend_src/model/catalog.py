@@ -201,9 +201,6 @@ class ItemCatalog:
             backbone.item_embedding.num_embeddings = rows
         model.item_live = self.live.to(model.item_live.device).clone()
         model.rows_in_use = self.first_row
-        content = model.codebook.content
-        if content.numel():  # the content each row's item was placed by (zero where none)
-            model.codebook.content = torch.cat([content, content.new_zeros(rows - content.shape[0], content.shape[1])])
         self._embeddings = {}  # row -> an added item's content embedding, until published
 
     def _publish(self) -> None:
@@ -217,9 +214,10 @@ class ItemCatalog:
                 weight = model.backbone.item_embedding.weight
                 weight[added] = model.backbone.code_vectors(self.codes[added].to(weight.device))
         content = model.codebook.content
-        if content.numel() and self._embeddings:
+        if content.numel() and self._embeddings:  # grown to the rows in use only: the reserve holds no content
             rows = torch.tensor(list(self._embeddings))
-            grown = content.clone()  # a new table: a request may be reading the old one
+            grown = content.new_zeros(max(n, content.shape[0]), content.shape[1])  # a new table: a request may be
+            grown[: content.shape[0]] = content                                      # reading the old one
             grown[rows.to(content.device)] = torch.from_numpy(np.stack(list(self._embeddings.values()))).to(content)
             model.codebook.content = grown
             self._embeddings = {}

@@ -364,8 +364,9 @@ class GenerativeRecommender(nn.Module):
             return None
         gaps = torch.arange(1, CONTENT_PROFILE_EVENTS + 1, device=history_items.device)
         at = (history_items > 0).sum(1, keepdim=True) - gaps
-        last = history_items.gather(1, at.clamp_min(0)).masked_fill(at < 0, 0)
-        return F.normalize(content[last.to(content.device)].sum(1), dim=-1)
+        last = history_items.gather(1, at.clamp_min(0)).masked_fill(at < 0, 0).to(content.device)
+        last = last.masked_fill(last >= content.shape[0], 0)  # a row with no content yet (the unknown item's): none
+        return F.normalize(content[last].sum(1), dim=-1)
 
     def added_candidates(self, profile: torch.Tensor, history_items: torch.Tensor, count: int) -> torch.Tensor:
         """[B, count] the live items added to the catalog nearest in content to `profile` and not in
@@ -382,9 +383,9 @@ class GenerativeRecommender(nn.Module):
 
     def catalog_content_scores(self, profile: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
         """[B, W] the content cosine of each candidate added to the catalog with `profile`, 0 for the others."""
-        added = candidates >= self.cfg.num_items + 2
-        content = self.codebook.content[candidates.clamp_max(self.codebook.content.shape[0] - 1)]
-        return ((content * profile[:, None, :]).sum(-1) * added).float()
+        content = self.codebook.content
+        added = (candidates >= self.cfg.num_items + 2) & (candidates < content.shape[0])
+        return ((content[candidates.masked_fill(~added, 0)] * profile[:, None, :]).sum(-1) * added).float()
 
     def with_added_candidates(self, history_items, items, log_probs, codes) -> tuple:
         """The fused order's candidates items/log_probs [B, W] and codes [B, W, C] with the catalog's
